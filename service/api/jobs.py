@@ -1,0 +1,242 @@
+"""Load jobs: a load runs in the background as an asyncio task whose state, progress and
+result the API reads; loaded models stay resident until unloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import aiofiles.os
+
+from service.errors import ConflictError, HoistError, ModelPathError, NotFoundError, RequestError
+from service.loader.model import LoadedModel, MemoryReport
+from service.loader.pipeline import LoadMode, Progress, load_model
+from service.loader.weights import WeightIndex, open_model
+
+logger = logging.getLogger(__name__)
+
+
+class JobState(StrEnum):
+    """Lifecycle of a load job: ``queued -> running -> succeeded | failed | cancelled``."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """True for states that never change again."""
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+_NEXT: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+}
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(eq=False)
+class LoadJob:
+    """One load job.
+
+    Attributes:
+        id: the job id (``lj_...``); a model it loads is registered under the same id.
+        model: the model path as requested, relative to the models directory.
+        path: the resolved file path.
+        load_mode: the load mode.
+        state: the current :class:`JobState`.
+        bytes_done: tensor bytes in memory so far.
+        bytes_total: tensor bytes the load brings in.
+        cancel_requested: True once a cancel was asked for a running job.
+        error: the failure as ``HoistError.to_dict()`` data, once failed.
+        report: the memory report, once succeeded.
+    """
+
+    id: str
+    model: str
+    path: str
+    load_mode: LoadMode
+    n_tensors: int
+    bytes_total: int
+    state: JobState = JobState.QUEUED
+    bytes_done: int = 0
+    cancel_requested: bool = False
+    error: dict[str, Any] | None = None
+    report: MemoryReport | None = None
+    created_at: datetime = field(default_factory=_now)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def transition(self, new: JobState) -> None:
+        """Move to ``new``. Raises RuntimeError naming the allowed states otherwise."""
+        allowed = _NEXT.get(self.state, frozenset())
+        if new not in allowed:
+            expected = ", ".join(sorted(s.value for s in allowed)) or "nothing (terminal)"
+            raise RuntimeError(f"job {self.id}: expected a move to {expected}, got {new.value}")
+        self.state = new
+        if new is JobState.RUNNING:
+            self.started_at = _now()
+        elif new.terminal:
+            self.finished_at = _now()
+
+    @property
+    def progress(self) -> float:
+        """Fraction of bytes done, 0..1."""
+        return self.bytes_done / self.bytes_total if self.bytes_total else float(self.state.terminal)
+
+
+@dataclass(eq=False)
+class ResidentModel:
+    """A model loaded by a job and held until unloaded."""
+
+    id: str
+    model: str
+    load_mode: LoadMode
+    loaded: LoadedModel
+    loaded_at: datetime = field(default_factory=_now)
+
+
+async def resolve_model_path(models_dir: str, model: str) -> str:
+    """The file that request path ``model`` names inside ``models_dir``.
+
+    Raises:
+        RequestError: the path is empty, absolute, or leaves the models directory
+            (through ``..`` or a symbolic link).
+        ModelPathError: no such file.
+    """
+    if not model or os.path.isabs(model) or "\0" in model:
+        raise RequestError(f"model path '{model}' must be a non-empty path relative to the models directory")
+    root = os.path.realpath(models_dir)
+    path = os.path.realpath(os.path.join(root, model))
+    if os.path.commonpath([root, path]) != root:
+        raise RequestError(f"model path '{model}' leaves the models directory")
+    if not await aiofiles.os.path.isfile(path):
+        raise ModelPathError(f"no model file '{model}' in the models directory")
+    return path
+
+
+class JobManager:
+    """Runs load jobs and holds the models they load.
+
+    Args:
+        models_dir: request paths are relative to it.
+        max_concurrent_loads: loads running at once; others wait as ``queued``.
+    """
+
+    def __init__(self, models_dir: str, max_concurrent_loads: int = 1) -> None:
+        self.models_dir = models_dir
+        self.jobs: dict[str, LoadJob] = {}
+        self.models: dict[str, ResidentModel] = {}
+        self._slots = asyncio.Semaphore(max_concurrent_loads)
+        self._counter = itertools.count(1)
+
+    def _new_id(self) -> str:
+        return f"lj_{next(self._counter):04d}{secrets.token_hex(4)}"
+
+    async def submit(self, model: str, load_mode: LoadMode) -> LoadJob:
+        """Validate ``model``, parse its header, and start loading it in the background.
+
+        Raises:
+            RequestError, ModelPathError: bad model path.
+            FormatError, StorageError: the file is not a valid, readable GGUF model.
+        """
+        path = await resolve_model_path(self.models_dir, model)
+        index = await asyncio.to_thread(open_model, path)
+        job = LoadJob(
+            id=self._new_id(),
+            model=model,
+            path=path,
+            load_mode=load_mode,
+            n_tensors=len(index),
+            bytes_total=index.nbytes,
+        )
+        self.jobs[job.id] = job
+        job.task = asyncio.create_task(self._run(job, index), name=f"load {job.id}")
+        return job
+
+    def get(self, job_id: str) -> LoadJob:
+        """The job ``job_id``. Raises NotFoundError."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(f"no load job '{job_id}'")
+        return job
+
+    async def _run(self, job: LoadJob, index: WeightIndex) -> None:
+        async with self._slots:
+            if job.state is not JobState.QUEUED:
+                return
+            job.transition(JobState.RUNNING)
+
+            def on_progress(p: Progress) -> None:
+                job.bytes_done = p.bytes_done
+                job.bytes_total = p.bytes_total
+
+            try:
+                loaded = await load_model(index, load_mode=job.load_mode, on_progress=on_progress)
+            except asyncio.CancelledError:
+                job.transition(JobState.CANCELLED)
+                raise
+            except HoistError as exc:
+                job.error = exc.to_dict()
+                job.transition(JobState.FAILED)
+                logger.warning("load %s of %s failed: %s", job.id, job.model, exc)
+                return
+            except Exception as exc:
+                job.error = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
+                job.transition(JobState.FAILED)
+                logger.exception("load %s of %s failed unexpectedly", job.id, job.model)
+                return
+            self.models[job.id] = ResidentModel(job.id, job.model, job.load_mode, loaded)
+            job.report = loaded.report
+            job.transition(JobState.SUCCEEDED)
+            logger.info("loaded %s as %s (%d bytes)", job.model, job.id, loaded.report.total_nbytes)
+
+    def cancel(self, job_id: str) -> LoadJob:
+        """Cancel a queued or running job; it ends ``cancelled`` once its load has released
+        everything. Raises NotFoundError, or ConflictError for a finished job."""
+        job = self.get(job_id)
+        if job.state.terminal:
+            raise ConflictError(f"load job '{job_id}' already ended as {job.state.value}")
+        if job.state is JobState.QUEUED:
+            job.transition(JobState.CANCELLED)
+        job.cancel_requested = True
+        if job.task is not None:
+            job.task.cancel()
+        return job
+
+    def get_model(self, model_id: str) -> ResidentModel:
+        """The loaded model ``model_id``. Raises NotFoundError."""
+        resident = self.models.get(model_id)
+        if resident is None:
+            raise NotFoundError(f"no loaded model '{model_id}'")
+        return resident
+
+    def unload(self, model_id: str) -> ResidentModel:
+        """Release the model ``model_id``. Raises NotFoundError."""
+        resident = self.get_model(model_id)
+        del self.models[model_id]
+        resident.loaded.close()
+        return resident
+
+    async def close(self) -> None:
+        """Cancel every job, wait for them, and release every model."""
+        tasks = [job.task for job in self.jobs.values() if job.task is not None and not job.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for model_id in list(self.models):
+            self.unload(model_id)

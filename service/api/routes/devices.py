@@ -1,0 +1,43 @@
+"""``/v1/devices``: devices, their memory, and what each loaded model holds there."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service.api.deps import DevicesDep, JobsDep
+from service.api.schemas import DeviceList, DeviceModelUse, DeviceOut
+
+router = APIRouter(prefix="/v1/devices", tags=["devices"])
+
+
+@router.get("", response_model=DeviceList)
+async def list_devices(devices: DevicesDep, jobs: JobsDep) -> DeviceList:
+    """Every device with free/total memory and the bytes each loaded model holds there
+    per buffer type."""
+    out = []
+    for device in devices:
+        mem = device.memory()
+        uses = []
+        for resident in jobs.models.values():
+            per_type = resident.loaded.report.by_device().get(device.name)
+            if per_type:
+                uses.append(
+                    DeviceModelUse(
+                        model_id=resident.id,
+                        model=resident.model,
+                        buffer_types=per_type,
+                        total_bytes=sum(per_type.values()),
+                    )
+                )
+        out.append(
+            DeviceOut(
+                name=device.name,
+                description=device.description,
+                type=device.type,
+                free_bytes=mem.free,
+                total_bytes=mem.total,
+                models=uses,
+                used_by_models_bytes=sum(u.total_bytes for u in uses),
+            )
+        )
+    return DeviceList(data=out)

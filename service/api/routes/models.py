@@ -1,0 +1,29 @@
+"""``/v1/models``: models resident in memory, and unloading them."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service.api.deps import JobsDep
+from service.api.routes.views import model_out
+from service.api.schemas import ModelList, ModelOut
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+@router.get("", response_model=ModelList)
+async def list_models(jobs: JobsDep) -> ModelList:
+    """Every loaded model with its memory report."""
+    return ModelList(data=[model_out(m) for m in jobs.models.values()])
+
+
+@router.get("/{model_id}", response_model=ModelOut)
+async def get_model(model_id: str, jobs: JobsDep) -> ModelOut:
+    """One loaded model."""
+    return model_out(jobs.get_model(model_id))
+
+
+@router.delete("/{model_id}", response_model=ModelOut)
+async def unload_model(model_id: str, jobs: JobsDep) -> ModelOut:
+    """Unload a model: its buffers and mappings are released."""
+    return model_out(jobs.unload(model_id))

@@ -1,0 +1,29 @@
+"""Service settings, from ``HOIST_*`` environment variables or the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Settings of one service instance."""
+
+    model_config = SettingsConfigDict(env_prefix="HOIST_", extra="ignore")
+
+    models_dir: Path = Field(default=Path("models"))
+    """Directory that request paths are relative to; requests cannot leave it
+    (``HOIST_MODELS_DIR``)."""
+
+    max_concurrent_loads: int = Field(default=1, ge=1)
+    """Loads that run at once; further loads wait in state ``queued``
+    (``HOIST_MAX_CONCURRENT_LOADS``)."""
+
+    @field_validator("models_dir")
+    @classmethod
+    def _models_dir_exists(cls, value: Path) -> Path:
+        if not value.is_dir():
+            raise ValueError(f"models directory {value} does not exist or is not a directory")
+        return value.resolve()

@@ -1,0 +1,279 @@
+"""The ``hoist`` command: ``serve``, ``inspect``, ``load``, ``sample`` and ``demo``.
+
+Errors hoist anticipates are printed as one line on stderr with a non-zero exit status,
+never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from service import __version__
+from service.errors import HoistError
+from service.loader import pipeline
+from service.loader.summary import summarize, value_text
+from service.loader.weights import open_model
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+DEFAULT_MODELS_DIR = "models"
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+def _progress_bar() -> Progress:
+    return Progress(
+        TextColumn("[bold]loading"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=False,
+    )
+
+
+# -- inspect ------------------------------------------------------------------------------
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    index = open_model(args.path)
+    if args.json:
+        sys.stdout.write(json.dumps(summarize(index), indent=1) + "\n")
+        return 0
+    info = summarize(index, max_items=8)
+    out.print(f"[bold]{info['path']}[/bold]")
+    out.print(f"file format = {info['file_format']}, {info['byte_order']}-endian")
+    out.print(f"file type   = {info['file_type_name']}")
+    out.print(f"file size   = {info['size']}, {info['file_size_bytes']} bytes on disk")
+    out.print(f"tensors     = {info['n_tensors']} ({', '.join(f'{t}: {n}' for t, n in info['tensor_types'].items())})")
+    if len(info["splits"]) > 1:
+        out.print(f"splits      = {len(info['splits'])}")
+        for s in info["splits"]:
+            out.print(f"  {s['index']}: {s['path']} ({s['n_tensors']} tensors)")
+    kv = Table(title=f"{len(info['metadata'])} KV pairs", title_justify="left")
+    for col in ("key", "type", "value"):
+        kv.add_column(col, overflow="fold")
+    for entry in index.metadata.kv.values():
+        kv.add_row(entry.key, entry.type_name, value_text(entry.value))
+    out.print(kv)
+    tensors = Table(title=f"{info['n_tensors']} tensors", title_justify="left")
+    for col, justify in (("name", "left"), ("type", "left"), ("ne", "left"), ("bytes", "right"), ("offset", "right")):
+        tensors.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for t in info["tensors"]:
+        where = f"{t['split']}:{t['offset']}" if len(info["splits"]) > 1 else str(t["offset"])
+        tensors.add_row(t["name"], t["type"], str(tuple(t["ne"])), str(t["bytes"]), where)
+    out.print(tensors)
+    return 0
+
+
+# -- load ---------------------------------------------------------------------------------
+
+
+async def _load(args: argparse.Namespace) -> int:
+    mode = pipeline.LoadMode.parse(args.load_mode)
+    index = await asyncio.to_thread(open_model, args.path)
+    start = time.perf_counter()
+    bar = _progress_bar()
+    task = bar.add_task("load", total=index.nbytes)
+
+    def on_progress(p: pipeline.Progress) -> None:
+        if p.bytes_done and not bar.live.is_started:
+            bar.start()
+        bar.update(task, completed=p.bytes_done, total=p.bytes_total)
+
+    try:
+        model = await pipeline.load_model(index, load_mode=mode, on_progress=on_progress)
+    finally:
+        bar.stop()
+    seconds = time.perf_counter() - start
+    with model:
+        if args.json:
+            data = {
+                "path": index.path,
+                "load_mode": mode.value,
+                "n_tensors": len(model),
+                "tensor_bytes": index.nbytes,
+                "seconds": round(seconds, 4),
+                "memory": model.report.to_dict(),
+            }
+            sys.stdout.write(json.dumps(data, indent=1) + "\n")
+        else:
+            err.print(f"loaded {len(model)} tensors in {seconds:.2f} s ({mode.value})")
+            for line in model.report.lines():
+                out.print(line)
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    return _run(_load(args))
+
+
+# -- serve, sample, demo ------------------------------------------------------------------
+
+
+def _settings(models_dir: str | None) -> Any:
+    from service.api.settings import Settings
+
+    if models_dir is None:
+        return Settings()
+    return Settings(models_dir=Path(models_dir))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.api.app import create_app
+
+    app = create_app(_settings(args.models_dir))
+    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level)
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from service.sample import place_sample
+
+    models_dir = args.models_dir or os.environ.get("HOIST_MODELS_DIR", DEFAULT_MODELS_DIR)
+    path = place_sample(models_dir)
+    out.print(str(path))
+    return 0
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    import httpx
+    import uvicorn
+
+    from service.api.app import create_app
+    from service.sample import place_sample
+
+    models_dir = args.models_dir or os.environ.get("HOIST_MODELS_DIR", DEFAULT_MODELS_DIR)
+    err.print(f"placing the sample model in {models_dir}/ ...")
+    sample = await asyncio.to_thread(place_sample, models_dir)
+    app = create_app(_settings(models_dir))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            await serving
+            return 1
+        await asyncio.sleep(0.05)
+    base = f"http://{args.host}:{args.port}"
+    err.print(f"hoist is serving on {base}")
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        body = {"model": sample.name, "load_mode": args.load_mode}
+        err.print(f"POST /v1/loads {json.dumps(body)}")
+        resp = await client.post("/v1/loads", json=body)
+        if resp.status_code != 202:
+            err.print(f"[red]load refused ({resp.status_code}):[/red] {escape(resp.text)}")
+            server.should_exit = True
+            await serving
+            return 1
+        location = resp.headers["location"]
+        err.print(f"202 Accepted, Location: {location}")
+        with _progress_bar() as bar:
+            task = bar.add_task("load", total=resp.json()["bytes_total"])
+            while True:
+                job = (await client.get(location)).json()
+                bar.update(task, completed=job["bytes_done"], total=job["bytes_total"])
+                if job["state"] in ("succeeded", "failed", "cancelled"):
+                    break
+                await asyncio.sleep(0.1)
+    if job["state"] != "succeeded":
+        err.print(f"[red]load {job['state']}:[/red] {escape(str((job.get('error') or {}).get('message')))}")
+    else:
+        err.print(f"loaded {job['n_tensors']} tensors of {sample.name}; memory report:")
+        for line in job["memory"]["lines"]:
+            out.print(line)
+    err.print(f"still serving on {base} (try {base}/v1/devices); press Ctrl-C to stop")
+    await serving
+    return 0 if job["state"] == "succeeded" else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return _run(_demo(args))
+
+
+# -- parser -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hoist", description="Load GGUF models onto devices, as llama.cpp does.")
+    parser.add_argument("--version", action="version", version=f"hoist {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="show a GGUF model's metadata and tensors")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("load", help="load a model into memory and print the memory report")
+    p.add_argument("path")
+    p.add_argument("-lm", "--load-mode", default="mmap", choices=[m.value for m in pipeline.LoadMode])
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_load)
+
+    p = sub.add_parser("serve", help="run the HTTP service")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("sample", help="place the sample model (Gemma 3 270M Q4_K_M) in the models directory")
+    p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("demo", help="place the sample, serve, and load it through the HTTP API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
+    p.add_argument("-lm", "--load-mode", default="mmap", choices=[m.value for m in pipeline.LoadMode])
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hoist`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except HoistError as exc:
+        err.print(f"[red]hoist: error:[/red] {escape(exc.describe())}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from pydantic import ValidationError
+
+        if isinstance(exc, ValidationError):
+            msgs = "; ".join(e["msg"] for e in exc.errors())
+            err.print(f"[red]hoist: error:[/red] invalid settings: {escape(msgs)}")
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

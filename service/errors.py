@@ -1,0 +1,173 @@
+"""The one error hierarchy of hoist.
+
+Every error hoist raises on purpose derives from :class:`HoistError`; anything else
+escaping is a bug. ``service.api.errors`` maps each class to an HTTP status in one place.
+
+::
+
+    HoistError
+    ├── FormatError                  the bytes are not a valid GGUF file
+    │   ├── NotGGUFError             too small, or the magic is not "GGUF"
+    │   ├── UnsupportedVersionError  version 1, or newer than hoist knows
+    │   ├── TruncatedError           the file ends inside a header structure
+    │   ├── MetadataError            a KV pair is invalid (duplicate key, type, alignment)
+    │   ├── TensorInfoError          a tensor info is invalid (name, n_dims, ne, type, offset)
+    │   └── TensorBoundsError        a tensor's data lies outside its file
+    ├── SplitError                   split files that do not form one model
+    ├── ByteOrderError               big-endian tensor data on a little-endian host
+    ├── StorageError                 the OS refused a file operation (open, read, mmap)
+    ├── NotFoundError                no such job or loaded model
+    │   └── ModelPathError           a requested model file does not exist
+    ├── RequestError                 a request names an unknown option, or a path that
+    │                                leaves the models directory
+    ├── ConflictError                the request does not fit the resource's state
+    └── LoadCancelledError           a load was cancelled before it finished
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class HoistError(Exception):
+    """Base class: a clear message naming the file, and the key, tensor or offset involved.
+
+    Attributes:
+        message: what went wrong, without the location prefix.
+        path: the file involved, if any.
+        offset: byte offset in ``path`` where the problem was found, if it helps.
+        key: the GGUF KV key involved, if any.
+        tensor: the tensor name involved, if any.
+        hint: what the user can do about it, if anything.
+    """
+
+    code: ClassVar[str] = "hoist_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        offset: int | None = None,
+        key: str | None = None,
+        tensor: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.message = message
+        self.path = path
+        self.offset = offset
+        self.key = key
+        self.tensor = tensor
+        self.hint = hint
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        """The full one-line message: ``PATH: MESSAGE (at byte N); HINT``."""
+        text = f"{self.path}: {self.message}" if self.path else self.message
+        if self.offset is not None:
+            text += f" (at byte {self.offset})"
+        if self.hint:
+            text += f"; {self.hint}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """The error as JSON-ready data (``code``, ``message`` and the location fields)."""
+        data: dict[str, Any] = {"code": self.code, "message": self.describe()}
+        for name in ("path", "offset", "key", "tensor", "hint"):
+            value = getattr(self, name)
+            if value is not None:
+                data[name] = value
+        return data
+
+
+class FormatError(HoistError):
+    """The file is not a valid GGUF file."""
+
+    code = "invalid_gguf"
+
+
+class NotGGUFError(FormatError):
+    """The file is too small to be GGUF, or does not start with the magic ``GGUF``."""
+
+    code = "not_gguf"
+
+
+class UnsupportedVersionError(FormatError):
+    """The GGUF version is 1 (no longer supported) or newer than hoist knows."""
+
+    code = "unsupported_gguf_version"
+
+
+class TruncatedError(FormatError):
+    """The file ends inside the header, a KV pair or a tensor info."""
+
+    code = "truncated_gguf"
+
+
+class MetadataError(FormatError):
+    """A KV pair is invalid: duplicate or empty key, unknown value type, nested array,
+    a length over the limits, or ``general.alignment`` of the wrong type or value."""
+
+    code = "invalid_gguf_metadata"
+
+
+class TensorInfoError(FormatError):
+    """A tensor info is invalid: name, n_dims, ne, ggml type or data offset."""
+
+    code = "invalid_tensor_info"
+
+
+class TensorBoundsError(FormatError):
+    """A tensor's data ``[offset, offset + nbytes)`` does not lie inside its file."""
+
+    code = "tensor_out_of_bounds"
+
+
+class SplitError(HoistError):
+    """Split files that do not form one model: wrong first split, missing sibling,
+    tensor count mismatch, or a tensor in two splits."""
+
+    code = "invalid_split"
+
+
+class ByteOrderError(HoistError):
+    """Tensor data in a byte order this host cannot use as it is."""
+
+    code = "unsupported_byte_order"
+
+
+class StorageError(HoistError):
+    """The operating system refused a file operation (open, stat, read, mmap)."""
+
+    code = "storage_error"
+
+
+class NotFoundError(HoistError):
+    """No job or loaded model has the requested id."""
+
+    code = "not_found"
+
+
+class ModelPathError(NotFoundError):
+    """A requested model file does not exist."""
+
+    code = "model_not_found"
+
+
+class RequestError(HoistError):
+    """A request names an unknown option, an invalid value, or a path outside the
+    models directory."""
+
+    code = "invalid_request"
+
+
+class ConflictError(HoistError):
+    """The request does not fit the state of what it targets (cancelling a finished job)."""
+
+    code = "conflict"
+
+
+class LoadCancelledError(HoistError):
+    """The load was cancelled; everything it had taken has been released."""
+
+    code = "load_cancelled"

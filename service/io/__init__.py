@@ -1,0 +1,1 @@
+"""Bytes from disk: alignment math, aligned host buffers, positioned reads, mappings."""

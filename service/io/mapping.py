@@ -1,0 +1,169 @@
+"""A read-only shared mapping of a whole model file (llama.cpp's ``llama_mmap``).
+
+The mapping is made with libc directly rather than Python's ``mmap`` so that parts of it
+can be unmapped after a load (``unmap_fragment``) while the rest stays in use: Python's
+``mmap`` object would unmap its whole original range when closed, including address
+space the process may have reused since.
+
+SAFETY: arrays returned by :meth:`Mapping.array` point into the mapping; they are valid
+until the range they cover is unmapped or the mapping is closed. Owners (a loaded model)
+drop their arrays before closing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap as _mmap_mod
+import os
+import threading
+
+import numpy as np
+
+from service.errors import StorageError
+from service.io import libc
+from service.io.align import PAGE_SIZE, align_down, align_up
+from service.io.file import open_readonly
+
+MADV_POPULATE_READ = 22
+"""Linux 5.14+: fault in a range's pages, synchronously, without copying them."""
+
+
+def subtract_fragment(fragments: list[tuple[int, int]], first: int, last: int) -> list[tuple[int, int]]:
+    """``fragments`` (disjoint ``[start, end)`` ranges) minus ``[first, last)``.
+
+    A fragment that contains the removed range is split in two; fragments that overlap
+    one side are trimmed; fragments inside it are dropped.
+    """
+    out: list[tuple[int, int]] = []
+    for start, end in fragments:
+        if end <= first or start >= last:
+            out.append((start, end))
+            continue
+        if start < first:
+            out.append((start, first))
+        if end > last:
+            out.append((last, end))
+    return out
+
+
+class Mapping:
+    """A read-only ``MAP_SHARED`` mapping of a whole file.
+
+    Attributes:
+        path: the mapped file.
+        size: the file's size in bytes (the mapping's length).
+        addr: the start address of the mapping.
+        fragments: the still-mapped ``[start, end)`` byte ranges, page-aligned except at
+            the end of the file.
+
+    Raises (constructor):
+        StorageError: the file cannot be opened or mapped.
+    """
+
+    def __init__(self, path: str, *, sequential: bool = True) -> None:
+        self.path = path
+        fd = open_readonly(path)
+        try:
+            self.size = os.fstat(fd).st_size
+            if self.size == 0:
+                raise StorageError("cannot map an empty file", path=path)
+            if sequential:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            try:
+                self.addr = libc.mmap(self.size, _mmap_mod.PROT_READ, _mmap_mod.MAP_SHARED, fd)
+            except OSError as exc:
+                raise StorageError(f"cannot map the file: {exc.strerror}", path=path) from exc
+        finally:
+            os.close(fd)
+        self.fragments: list[tuple[int, int]] = [(0, self.size)]
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        """True once every fragment is unmapped."""
+        return not self.fragments
+
+    @property
+    def mapped_nbytes(self) -> int:
+        """Bytes still mapped."""
+        return sum(end - start for start, end in self.fragments)
+
+    def _check_mapped(self, offset: int, nbytes: int) -> None:
+        end = offset + nbytes
+        if offset < 0 or end > self.size:
+            raise StorageError(f"range [{offset}, {end}) is outside the mapping", path=self.path, offset=offset)
+        if nbytes and not any(start <= offset and end <= stop for start, stop in self.fragments):
+            raise StorageError(f"range [{offset}, {end}) is no longer mapped", path=self.path, offset=offset)
+
+    def array(self, offset: int, nbytes: int) -> np.ndarray[tuple[int], np.dtype[np.uint8]]:
+        """A read-only ``uint8`` view of ``nbytes`` bytes at file ``offset`` (zero copy).
+
+        Raises:
+            StorageError: the range is outside the file or no longer mapped.
+        """
+        self._check_mapped(offset, nbytes)
+        if nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        buf = (ctypes.c_ubyte * nbytes).from_address(self.addr + offset)
+        view: np.ndarray[tuple[int], np.dtype[np.uint8]] = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+        view.flags.writeable = False
+        return view
+
+    def advise(self, offset: int, nbytes: int, advice: int) -> None:
+        """``madvise`` the pages covering ``[offset, offset + nbytes)`` (outward to pages).
+
+        Raises:
+            OSError: the kernel refused the advice (e.g. EINVAL for an unknown advice).
+        """
+        if nbytes <= 0:
+            return
+        first = align_down(offset, PAGE_SIZE)
+        last = min(align_up(offset + nbytes, PAGE_SIZE), align_up(self.size, PAGE_SIZE))
+        libc.madvise(self.addr + first, last - first, advice)
+
+    def populate(self, offset: int, nbytes: int) -> None:
+        """Fault in ``[offset, offset + nbytes)`` now, reading it from disk if needed.
+
+        Uses ``MADV_POPULATE_READ`` and falls back to ``MADV_WILLNEED`` plus touching one
+        byte per page on kernels without it.
+        """
+        self._check_mapped(offset, nbytes)
+        if nbytes <= 0:
+            return
+        try:
+            self.advise(offset, nbytes, MADV_POPULATE_READ)
+        except OSError:
+            self.advise(offset, nbytes, _mmap_mod.MADV_WILLNEED)
+            pages = self.array(offset, nbytes)[::PAGE_SIZE]
+            int(pages.sum())
+
+    def unmap_fragment(self, first: int, last: int) -> None:
+        """Unmap the whole pages inside ``[first, last)`` (llama.cpp ``unmap_fragment``).
+
+        The range is aligned inward to page boundaries, so a page shared with bytes
+        outside the range stays mapped; ``fragments`` is updated so later calls and
+        :meth:`close` unmap exactly what is still mapped.
+        """
+        first = align_up(first, PAGE_SIZE)
+        last = align_down(last, PAGE_SIZE) if last < self.size else align_up(self.size, PAGE_SIZE)
+        if last <= first:
+            return
+        with self._lock:
+            for start, end in self.fragments:
+                lo, hi = max(start, first), min(align_up(end, PAGE_SIZE), last)
+                if hi > lo:
+                    libc.munmap(self.addr + lo, hi - lo)
+            self.fragments = subtract_fragment(self.fragments, first, last)
+
+    def close(self) -> None:
+        """Unmap everything still mapped. Idempotent."""
+        with self._lock:
+            for start, end in self.fragments:
+                libc.munmap(self.addr + start, align_up(end, PAGE_SIZE) - start)
+            self.fragments = []
+
+    def __enter__(self) -> Mapping:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

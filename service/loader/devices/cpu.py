@@ -1,0 +1,64 @@
+"""The host: ``CPU`` device, whose memory is the machine's, or the container's."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+from service.loader.devices.base import Device, DeviceMemory
+
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def _meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (empty where it cannot be read)."""
+    out: dict[str, int] = {}
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    return out
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    """The cgroup v2 memory limit and usage in bytes, or None without a limit."""
+    try:
+        limit = (_CGROUP / "memory.max").read_text().strip()
+        usage = int((_CGROUP / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if not limit.isdigit():
+        return None
+    return int(limit), usage
+
+
+def host_memory() -> DeviceMemory:
+    """Free and total host memory in bytes, bounded by the container's cgroup limit."""
+    info = _meminfo()
+    total = info.get("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = info.get("MemAvailable", info.get("MemFree", 0))
+    cgroup = _cgroup_limit()
+    if cgroup is not None:
+        limit, usage = cgroup
+        total = min(total, limit)
+        free = min(free, max(limit - usage, 0))
+    return DeviceMemory(free=free, total=total)
+
+
+class CPUDevice(Device):
+    """The host CPU and its memory (buffer types ``CPU`` and ``CPU_Mapped``)."""
+
+    name = "CPU"
+    type = "CPU"
+
+    def __init__(self) -> None:
+        self.description = platform.processor() or platform.machine() or "CPU"
+
+    def memory(self) -> DeviceMemory:
+        return host_memory()

@@ -1,0 +1,67 @@
+"""The GGUF format written down as data (the parts llama.cpp's ``gguf.cpp`` enforces)."""
+
+from __future__ import annotations
+
+from gguf import GGUFValueType
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+"""Versions hoist reads. Version 1 used 32-bit counts and is no longer supported."""
+
+DEFAULT_ALIGNMENT = 32
+"""``GGUF_DEFAULT_ALIGNMENT``: data alignment when ``general.alignment`` is absent."""
+
+KEY_ALIGNMENT = "general.alignment"
+
+MAX_NAME_BYTES = 63
+"""Longest tensor name (``GGML_MAX_NAME`` is 64 including the terminating NUL)."""
+
+MAX_DIMS = 4
+"""``GGML_MAX_DIMS``."""
+
+MAX_STRING_BYTES = 1 << 30
+"""``GGUF_MAX_STRING_LENGTH``: longest string value or key, in bytes."""
+
+MAX_ARRAY_ELEMENTS = 1 << 30
+"""``GGUF_MAX_ARRAY_ELEMENTS``: most elements in one array value."""
+
+INT64_MAX = (1 << 63) - 1
+
+HEADER_NBYTES = 24
+"""magic (4) + version (4) + n_tensors (8) + n_kv (8)."""
+
+# struct format character and byte size of each scalar value type
+SCALAR_FORMATS: dict[GGUFValueType, tuple[str, int]] = {
+    GGUFValueType.UINT8: ("B", 1),
+    GGUFValueType.INT8: ("b", 1),
+    GGUFValueType.UINT16: ("H", 2),
+    GGUFValueType.INT16: ("h", 2),
+    GGUFValueType.UINT32: ("I", 4),
+    GGUFValueType.INT32: ("i", 4),
+    GGUFValueType.FLOAT32: ("f", 4),
+    GGUFValueType.BOOL: ("b", 1),
+    GGUFValueType.UINT64: ("Q", 8),
+    GGUFValueType.INT64: ("q", 8),
+    GGUFValueType.FLOAT64: ("d", 8),
+}
+
+# numpy dtype code of each scalar value type (without the byte-order prefix)
+NUMPY_CODES: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "u1",
+    GGUFValueType.INT8: "i1",
+    GGUFValueType.UINT16: "u2",
+    GGUFValueType.INT16: "i2",
+    GGUFValueType.UINT32: "u4",
+    GGUFValueType.INT32: "i4",
+    GGUFValueType.FLOAT32: "f4",
+    GGUFValueType.BOOL: "i1",
+    GGUFValueType.UINT64: "u8",
+    GGUFValueType.INT64: "i8",
+    GGUFValueType.FLOAT64: "f8",
+}
+
+# smallest encodings, used to bound counts by the bytes that remain before looping
+MIN_KV_NBYTES = 8 + 1 + 4 + 1
+"""key length, a 1-byte key, value type, a 1-byte value."""
+MIN_TENSOR_INFO_NBYTES = 8 + 1 + 4 + 8 + 4 + 8
+"""name length, a 1-byte name, n_dims, one dimension, ggml type, offset."""

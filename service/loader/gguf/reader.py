@@ -1,0 +1,631 @@
+"""Read a GGUF file's header, KV metadata and tensor infos (``gguf_init_from_file`` with
+``no_alloc``): nothing of the tensor data is read.
+
+Every count and length read from the file is checked against the bytes that remain
+before it is used, and every rule of llama.cpp's ``gguf.cpp`` is enforced, so a corrupt or
+hostile file gives one :class:`~service.errors.FormatError` naming the file, the key or
+tensor and the byte offset, never a crash, a huge allocation or a read past the end.
+
+Layout (all integers in the file's byte order)::
+
+    magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+    n_kv x       (string key | u32 value type | value)
+    n_tensors x  (string name | u32 n_dims | n_dims x i64 ne | i32 ggml type | u64 offset)
+    padding to general.alignment | tensor data
+
+A string is a u64 byte length followed by that many UTF-8 bytes; an array value is a u32
+element type, a u64 count and the elements.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from gguf import GGUFValueType
+
+from service.errors import (
+    FormatError,
+    MetadataError,
+    NotGGUFError,
+    StorageError,
+    TensorInfoError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
+from service.io.align import align_up
+from service.loader.ggml_types import GGML_TYPES, GGMLType
+from service.loader.gguf.constants import (
+    DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    HEADER_NBYTES,
+    INT64_MAX,
+    KEY_ALIGNMENT,
+    MAX_ARRAY_ELEMENTS,
+    MAX_DIMS,
+    MAX_NAME_BYTES,
+    MAX_STRING_BYTES,
+    MIN_KV_NBYTES,
+    MIN_TENSOR_INFO_NBYTES,
+    SCALAR_FORMATS,
+    SUPPORTED_VERSIONS,
+)
+from service.loader.gguf.values import GGUFArray
+
+KVValue = bool | int | float | str | GGUFArray
+
+
+@dataclass(frozen=True, slots=True)
+class KVEntry:
+    """One KV metadata pair.
+
+    Attributes:
+        key: the key (``general.architecture``, ...).
+        type: the value type (``ARRAY`` for arrays; see ``value.element_type``).
+        value: a Python scalar, a ``str``, or a :class:`GGUFArray`.
+        offset: byte offset of the pair in the file.
+    """
+
+    key: str
+    type: GGUFValueType
+    value: KVValue
+    offset: int
+
+    @property
+    def type_name(self) -> str:
+        """The value type's GGUF name, ``ARRAY[<element type>]`` for arrays."""
+        if isinstance(self.value, GGUFArray):
+            return self.value.type_name
+        return self.type.name
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor info of a GGUF file.
+
+    Attributes:
+        name: the tensor name (at most 63 bytes of UTF-8).
+        ne: dimensions in ggml order: ``ne[0]`` is the row length (fastest-varying), so
+            the numpy shape of the data is ``ne`` reversed.
+        ggml_type: the ggml type of the elements.
+        offset: byte offset of the data from the start of the file's data section.
+        nbytes: size of the data in bytes (``ggml_nbytes``).
+        info_offset: byte offset of this tensor info in the file.
+    """
+
+    name: str
+    ne: tuple[int, ...]
+    ggml_type: GGMLType
+    offset: int
+    nbytes: int
+    info_offset: int
+
+    @property
+    def n_elements(self) -> int:
+        """Number of elements (product of ``ne``)."""
+        n = 1
+        for d in self.ne:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFFile:
+    """What a GGUF file declares, parsed without reading tensor data.
+
+    Attributes:
+        path: the file.
+        file_size: size of the file in bytes.
+        version: GGUF version (2 or 3).
+        byte_order: ``"little"`` or ``"big"``.
+        kv: KV metadata by key, in file order.
+        tensors: tensor infos in file order.
+        alignment: ``general.alignment`` or the default 32, in bytes.
+        data_offset: absolute byte offset of the data section (the aligned end of the
+            tensor infos).
+    """
+
+    path: str
+    file_size: int
+    version: int
+    byte_order: str
+    kv: dict[str, KVEntry]
+    tensors: list[TensorInfo]
+    alignment: int
+    data_offset: int
+    _by_name: dict[str, TensorInfo] = field(default_factory=dict, repr=False, compare=False)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of ``key`` (a scalar, ``str`` or :class:`GGUFArray`), or ``default``."""
+        entry = self.kv.get(key)
+        return default if entry is None else entry.value
+
+    def tensor(self, name: str) -> TensorInfo:
+        """The tensor info named ``name``. Raises ``KeyError`` if there is none."""
+        return self._by_name[name]
+
+    @property
+    def data_nbytes(self) -> int:
+        """Size of the data section as the tensor infos lay it out (padded), in bytes."""
+        if not self.tensors:
+            return 0
+        last = self.tensors[-1]
+        return align_up(last.offset + last.nbytes, self.alignment)
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Parse the header, KV metadata and tensor infos of the GGUF file at ``path``.
+
+    Ports ``gguf_init_from_file`` (llama.cpp ``ggml/src/gguf.cpp``) with ``no_alloc``:
+    the same rules, with hoist's typed errors. Tensor data is not read and its bounds
+    against the file size are checked by the weights index, as llama.cpp's loader does.
+
+    Args:
+        path: the file to read.
+
+    Returns:
+        The parsed :class:`GGUFFile`.
+
+    Raises:
+        StorageError: the file cannot be opened, is not a regular file, or cannot be read.
+        FormatError: (a subclass of) the file is not valid GGUF; the message names the
+            file, the key or tensor, and the byte offset.
+    """
+    name = os.fspath(path)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StorageError(f"cannot open: {exc.strerror}", path=name) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageError("not a regular file", path=name)
+        size = st.st_size
+        if size < HEADER_NBYTES:
+            _check_magic(os.pread(fd, 32, 0), name)
+            raise NotGGUFError(
+                f"file too small to be GGUF: {size} bytes, a GGUF header has {HEADER_NBYTES}",
+                path=name,
+            )
+        try:
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as exc:
+            raise StorageError(f"cannot map the file to read its header: {exc.strerror}", path=name) from exc
+        try:
+            return _Parser(mm, size, name).parse()
+        finally:
+            mm.close()
+    finally:
+        os.close(fd)
+
+
+_LFS_PREFIX = b"version https://git-lfs"
+
+
+def _check_magic(head: bytes, path: str) -> None:
+    """Raise :class:`NotGGUFError`, with a hint where the content is recognisable,
+    unless ``head`` starts with the GGUF magic."""
+    if head[:4] == GGUF_MAGIC:
+        return
+    if not head:
+        raise NotGGUFError("file too small to be GGUF: the file is empty", path=path)
+    hint = None
+    if head.startswith(_LFS_PREFIX):
+        hint = "this looks like a Git LFS pointer, not the model: fetch the real file with `git lfs pull`"
+    elif head[:4] in (b"lmgg", b"fmgg", b"tjgg", b"algg"):
+        hint = "this is a legacy GGML/GGJT file: convert it to GGUF with llama.cpp's converters"
+    elif head.lstrip()[:1] == b"<":
+        hint = "this looks like an HTML or XML page, perhaps a failed download"
+    shown = "".join(chr(b) if 32 <= b < 127 else "?" for b in head[:4])
+    raise NotGGUFError(f"not a GGUF file: magic is '{shown}', expected 'GGUF'", path=path, offset=0, hint=hint)
+
+
+class _Parser:
+    """A bounded cursor over a mapping of the whole file."""
+
+    def __init__(self, mm: mmap.mmap, size: int, path: str) -> None:
+        self.mm = mm
+        self.size = size
+        self.path = path
+        self.pos = 0
+        self.endian = "<"
+        self._structs: dict[str, struct.Struct] = {}
+
+    # -- primitives ---------------------------------------------------------------------
+
+    def _need(self, n: int, what: str) -> None:
+        if self.pos + n > self.size:
+            raise TruncatedError(
+                f"unexpected end of file inside {what}: {n} bytes needed, {self.size - self.pos} remain"
+                f" (file is {self.size} bytes)",
+                path=self.path,
+                offset=self.pos,
+            )
+
+    def _scalar(self, fmt: str, nbytes: int, what: str) -> Any:
+        self._need(nbytes, what)
+        code = self.endian + fmt
+        st = self._structs.get(code)
+        if st is None:
+            st = self._structs[code] = struct.Struct(code)
+        (value,) = st.unpack_from(self.mm, self.pos)
+        self.pos += nbytes
+        return value
+
+    def u32(self, what: str) -> int:
+        return int(self._scalar("I", 4, what))
+
+    def i32(self, what: str) -> int:
+        return int(self._scalar("i", 4, what))
+
+    def u64(self, what: str) -> int:
+        return int(self._scalar("Q", 8, what))
+
+    def i64(self, what: str) -> int:
+        return int(self._scalar("q", 8, what))
+
+    def raw_string(self, what: str, *, key: str | None = None) -> bytes:
+        start = self.pos
+        length = self.u64(f"the length of {what}")
+        if length > MAX_STRING_BYTES:
+            raise MetadataError(
+                f"length of {what} is {length} bytes, more than the limit of {MAX_STRING_BYTES}",
+                path=self.path,
+                offset=start,
+                key=key,
+            )
+        remain = self.size - self.pos
+        if length > remain:
+            raise TruncatedError(
+                f"length of {what} is {length} bytes, but only {remain} bytes remain in the file",
+                path=self.path,
+                offset=start,
+                key=key,
+            )
+        data = self.mm[self.pos : self.pos + length]
+        self.pos += length
+        return data
+
+    # -- structure ----------------------------------------------------------------------
+
+    def parse(self) -> GGUFFile:
+        _check_magic(self.mm[:32], self.path)
+        self.pos = 4
+        version = self.u32("the version")
+        if version == 0:
+            raise UnsupportedVersionError("bad GGUF version 0", path=self.path, offset=4)
+        if version & 0xFFFF == 0:
+            # the version reads as 0x0N000000: the file was written big-endian
+            self.endian = ">"
+            version = int.from_bytes(version.to_bytes(4, "little"), "big")
+            try:
+                return self._parse_body(version)
+            except FormatError as exc:
+                raise type(exc)(
+                    "the version field is byte-swapped (a big-endian file), but the file is not "
+                    f"valid big-endian GGUF either: {exc.message}",
+                    path=exc.path,
+                    offset=exc.offset,
+                    key=exc.key,
+                    tensor=exc.tensor,
+                    hint=exc.hint,
+                ) from exc
+        return self._parse_body(version)
+
+    def _parse_body(self, version: int) -> GGUFFile:
+        if version == 1:
+            raise UnsupportedVersionError(
+                "GGUF version 1 is no longer supported",
+                path=self.path,
+                offset=4,
+                hint="convert the model again with a current llama.cpp",
+            )
+        if version not in SUPPORTED_VERSIONS:
+            raise UnsupportedVersionError(
+                f"unknown GGUF version {version}: hoist reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}",
+                path=self.path,
+                offset=4,
+            )
+        n_tensors = self.u64("the tensor count")
+        n_kv = self.u64("the KV count")
+        remain = self.size - self.pos
+        if n_kv > remain // MIN_KV_NBYTES:
+            raise TruncatedError(
+                f"the KV count {n_kv} cannot fit in the {remain} bytes that remain",
+                path=self.path,
+                offset=16,
+            )
+        if n_tensors > (remain - n_kv * MIN_KV_NBYTES) // MIN_TENSOR_INFO_NBYTES:
+            raise TruncatedError(
+                f"the tensor count {n_tensors} cannot fit in the {remain} bytes that remain",
+                path=self.path,
+                offset=8,
+            )
+
+        kv: dict[str, KVEntry] = {}
+        for i in range(n_kv):
+            entry = self._kv_pair(i, kv)
+            kv[entry.key] = entry
+
+        alignment = DEFAULT_ALIGNMENT
+        align_entry = kv.get(KEY_ALIGNMENT)
+        if align_entry is not None:
+            if align_entry.type != GGUFValueType.UINT32:
+                raise MetadataError(
+                    f"'{KEY_ALIGNMENT}' has type {align_entry.type_name}, expected UINT32",
+                    path=self.path,
+                    key=KEY_ALIGNMENT,
+                    offset=align_entry.offset,
+                )
+            alignment = int(align_entry.value)  # type: ignore[arg-type]
+            if alignment == 0 or alignment & (alignment - 1):
+                raise MetadataError(
+                    f"'{KEY_ALIGNMENT}' is {alignment}, it must be a non-zero power of two",
+                    path=self.path,
+                    key=KEY_ALIGNMENT,
+                    offset=align_entry.offset,
+                )
+
+        tensors: list[TensorInfo] = []
+        by_name: dict[str, TensorInfo] = {}
+        for i in range(n_tensors):
+            info = self._tensor_info(i, by_name)
+            tensors.append(info)
+            by_name[info.name] = info
+
+        data_offset = self.pos
+        if tensors:
+            data_offset = align_up(self.pos, alignment)
+            if data_offset > self.size:
+                raise TruncatedError(
+                    f"the data section would start at byte {data_offset}, past the end of the file ({self.size} bytes)",
+                    path=self.path,
+                    offset=self.pos,
+                )
+        self._check_layout(tensors, alignment)
+        return GGUFFile(
+            path=self.path,
+            file_size=self.size,
+            version=version,
+            byte_order="little" if self.endian == "<" else "big",
+            kv=kv,
+            tensors=tensors,
+            alignment=alignment,
+            data_offset=data_offset,
+            _by_name=by_name,
+        )
+
+    def _kv_pair(self, index: int, seen: dict[str, KVEntry]) -> KVEntry:
+        start = self.pos
+        raw_key = self.raw_string(f"the key of KV pair {index}")
+        try:
+            key = raw_key.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise MetadataError(
+                f"the key of KV pair {index} is not valid UTF-8 ({raw_key[:64]!r})",
+                path=self.path,
+                offset=start,
+            ) from exc
+        if not key:
+            raise MetadataError(f"the key of KV pair {index} is empty", path=self.path, offset=start)
+        if key in seen:
+            raise MetadataError(
+                f"duplicate key '{key}' (KV pair {index}; first at byte {seen[key].offset})",
+                path=self.path,
+                key=key,
+                offset=start,
+            )
+        vtype = self._value_type(key)
+        if vtype == GGUFValueType.ARRAY:
+            element_offset = self.pos
+            etype = self._value_type(key)
+            if etype == GGUFValueType.ARRAY:
+                raise MetadataError(
+                    f"key '{key}' is an array of arrays; nested arrays are not supported",
+                    path=self.path,
+                    key=key,
+                    offset=element_offset,
+                )
+            return KVEntry(key, vtype, self._array(key, etype), start)
+        return KVEntry(key, vtype, self._value(key, vtype), start)
+
+    def _value_type(self, key: str) -> GGUFValueType:
+        offset = self.pos
+        raw = self.i32(f"the value type of key '{key}'")
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise MetadataError(
+                f"key '{key}' has invalid value type {raw}",
+                path=self.path,
+                key=key,
+                offset=offset,
+            ) from None
+
+    def _value(self, key: str, vtype: GGUFValueType) -> KVValue:
+        if vtype == GGUFValueType.STRING:
+            return self.raw_string(f"the value of key '{key}'", key=key).decode("utf-8", "replace")
+        fmt, nbytes = SCALAR_FORMATS[vtype]
+        value = self._scalar(fmt, nbytes, f"the value of key '{key}'")
+        if vtype == GGUFValueType.BOOL:
+            return bool(value)
+        return value  # type: ignore[no-any-return]
+
+    def _array(self, key: str, etype: GGUFValueType) -> GGUFArray:
+        count_offset = self.pos
+        count = self.u64(f"the element count of key '{key}'")
+        if count > MAX_ARRAY_ELEMENTS:
+            raise MetadataError(
+                f"key '{key}' has {count} array elements, more than the limit of {MAX_ARRAY_ELEMENTS}",
+                path=self.path,
+                key=key,
+                offset=count_offset,
+            )
+        remain = self.size - self.pos
+        start = self.pos
+        if etype == GGUFValueType.STRING:
+            if count * 8 > remain:
+                raise TruncatedError(
+                    f"key '{key}' declares {count} strings, more than the {remain} bytes that remain can hold",
+                    path=self.path,
+                    key=key,
+                    offset=count_offset,
+                )
+            end = self._skip_strings(key, count)
+        else:
+            nbytes = count * SCALAR_FORMATS[etype][1]
+            if nbytes > remain:
+                raise TruncatedError(
+                    f"key '{key}' declares {count} {etype.name} elements ({nbytes} bytes), "
+                    f"but only {remain} bytes remain",
+                    path=self.path,
+                    key=key,
+                    offset=count_offset,
+                )
+            end = start + nbytes
+        self.pos = end
+        return GGUFArray(etype, count, self.mm[start:end], self.endian)
+
+    def _skip_strings(self, key: str, count: int) -> int:
+        """Walk ``count`` strings from the cursor without decoding them; return the end."""
+        mm = self.mm
+        size = self.size
+        last = size - 8
+        unpack = struct.Struct(self.endian + "Q").unpack_from
+        pos = self.pos
+        for i in range(count):
+            if pos > last:
+                raise TruncatedError(
+                    f"unexpected end of file inside string {i} of key '{key}'",
+                    path=self.path,
+                    key=key,
+                    offset=pos,
+                )
+            (length,) = unpack(mm, pos)
+            if length > MAX_STRING_BYTES:
+                raise MetadataError(
+                    f"string {i} of key '{key}' is {length} bytes, more than the limit of {MAX_STRING_BYTES}",
+                    path=self.path,
+                    key=key,
+                    offset=pos,
+                )
+            pos += 8 + length
+        if pos > size:
+            raise TruncatedError(
+                f"the strings of key '{key}' run past the end of the file ({size} bytes)",
+                path=self.path,
+                key=key,
+                offset=self.pos,
+            )
+        return pos
+
+    def _tensor_info(self, index: int, seen: dict[str, TensorInfo]) -> TensorInfo:
+        start = self.pos
+        raw = self.raw_string(f"the name of tensor {index}")
+        if len(raw) > MAX_NAME_BYTES:
+            raise TensorInfoError(
+                f"the name of tensor {index} is {len(raw)} bytes long, at most {MAX_NAME_BYTES} are allowed"
+                f" ({raw[:MAX_NAME_BYTES]!r}...)",
+                path=self.path,
+                offset=start,
+            )
+        if not raw:
+            raise TensorInfoError(f"tensor {index} has an empty name", path=self.path, offset=start)
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TensorInfoError(
+                f"the name of tensor {index} is not valid UTF-8 ({raw!r})", path=self.path, offset=start
+            ) from exc
+        if name in seen:
+            raise TensorInfoError(
+                f"duplicate tensor name '{name}' (tensor {index}; first at byte {seen[name].info_offset})",
+                path=self.path,
+                tensor=name,
+                offset=start,
+            )
+        dims_offset = self.pos
+        n_dims = self.u32(f"the n_dims of tensor '{name}'")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise TensorInfoError(
+                f"tensor '{name}' has n_dims {n_dims}, it must be 1 to {MAX_DIMS}",
+                path=self.path,
+                tensor=name,
+                offset=dims_offset,
+            )
+        ne: list[int] = []
+        n_elements = 1
+        for j in range(n_dims):
+            dim_offset = self.pos
+            d = self.i64(f"dimension {j} of tensor '{name}'")
+            if d < 0:
+                raise TensorInfoError(
+                    f"tensor '{name}' dimension {j} is {d}, it must not be negative",
+                    path=self.path,
+                    tensor=name,
+                    offset=dim_offset,
+                )
+            ne.append(d)
+            n_elements *= d
+        if n_elements > INT64_MAX:
+            raise TensorInfoError(
+                f"tensor '{name}' has shape {tuple(ne)}: its element count overflows 64 bits",
+                path=self.path,
+                tensor=name,
+                offset=dims_offset,
+            )
+        type_offset = self.pos
+        type_id = self.i32(f"the ggml type of tensor '{name}'")
+        ggml_type = GGML_TYPES.get(type_id)
+        if ggml_type is None:
+            raise TensorInfoError(
+                f"tensor '{name}' has unknown ggml type {type_id}",
+                path=self.path,
+                tensor=name,
+                offset=type_offset,
+                hint="the file may use a quantization newer than this hoist knows",
+            )
+        if ne[0] % ggml_type.block_size:
+            raise TensorInfoError(
+                f"tensor '{name}' has ne[0] = {ne[0]}, not a multiple of the {ggml_type.name} "
+                f"block size {ggml_type.block_size}",
+                path=self.path,
+                tensor=name,
+                offset=dims_offset,
+            )
+        nbytes = ggml_type.nbytes(tuple(ne))
+        if nbytes >= 1 << 64:
+            raise TensorInfoError(
+                f"tensor '{name}' has shape {tuple(ne)}: its size in bytes overflows 64 bits",
+                path=self.path,
+                tensor=name,
+                offset=dims_offset,
+            )
+        offset = self.u64(f"the data offset of tensor '{name}'")
+        return TensorInfo(name, tuple(ne), ggml_type, offset, nbytes, start)
+
+    def _check_layout(self, tensors: list[TensorInfo], alignment: int) -> None:
+        """Each tensor's offset is a multiple of the alignment and follows the previous
+        tensor's padded end, as ``gguf.cpp`` requires."""
+        expected = 0
+        for info in tensors:
+            if info.offset % alignment:
+                raise TensorInfoError(
+                    f"tensor '{info.name}' has data offset {info.offset}, not a multiple of the alignment {alignment}",
+                    path=self.path,
+                    tensor=info.name,
+                    offset=info.info_offset,
+                )
+            if info.offset != expected:
+                raise TensorInfoError(
+                    f"tensor '{info.name}' has data offset {info.offset}, expected {expected}: "
+                    "tensor data must follow the tensor infos' order, each padded to the alignment",
+                    path=self.path,
+                    tensor=info.name,
+                    offset=info.info_offset,
+                )
+            expected += align_up(info.nbytes, alignment)

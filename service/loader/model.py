@@ -1,0 +1,164 @@
+"""A loaded model: its tensors, the buffers holding them, and the memory report."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.loader.weights import WeightIndex
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class BufferInfo:
+    """One model buffer (llama.cpp's ``ggml_backend_buffer`` holding weights).
+
+    Attributes:
+        buffer_type: the buffer type's name (``CPU``, ``CPU_Mapped``, ...).
+        device: the device whose memory holds it (``CPU``, ...).
+        nbytes: the buffer's size in bytes.
+        mapped: True when the buffer wraps a range of a file mapping.
+        host: True when the buffer lives in host memory.
+    """
+
+    buffer_type: str
+    device: str
+    nbytes: int
+    mapped: bool
+    host: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (bytes, and MiB for reading)."""
+        return {
+            "buffer_type": self.buffer_type,
+            "device": self.device,
+            "bytes": self.nbytes,
+            "mib": round(self.nbytes / MiB, 2),
+            "mapped": self.mapped,
+            "host": self.host,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """The model buffers of a load, in the order llama.cpp prints them.
+
+    Attributes:
+        buffers: one entry per buffer.
+    """
+
+    buffers: tuple[BufferInfo, ...]
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes over all buffers."""
+        return sum(b.nbytes for b in self.buffers)
+
+    def by_device(self) -> dict[str, dict[str, int]]:
+        """Bytes per device, then per buffer type: ``{device: {buffer_type: bytes}}``."""
+        out: dict[str, dict[str, int]] = {}
+        for b in self.buffers:
+            per_type = out.setdefault(b.device, {})
+            per_type[b.buffer_type] = per_type.get(b.buffer_type, 0) + b.nbytes
+        return out
+
+    def lines(self) -> list[str]:
+        """llama.cpp's report lines: ``%12s model buffer size = %8.2f MiB`` per buffer."""
+        return [f"{b.buffer_type:>12} model buffer size = {b.nbytes / MiB:8.2f} MiB" for b in self.buffers]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: every buffer, totals per device and buffer type, and the lines."""
+        return {
+            "buffers": [b.to_dict() for b in self.buffers],
+            "by_device": self.by_device(),
+            "total_bytes": self.total_nbytes,
+            "lines": self.lines(),
+        }
+
+
+@dataclass(slots=True)
+class LoadedTensor:
+    """One tensor of a loaded model.
+
+    Attributes:
+        name: the tensor name.
+        ggml_type: the ggml type name (``F32``, ``Q4_K``, ...).
+        ne: dimensions in ggml order (``ne[0]`` is the row length).
+        nbytes: size of the data in bytes.
+        buffer_type: the buffer type holding it.
+        device: the device holding it.
+        data: the data as a numpy array: the element type for plain types (``F32`` as
+            float32, ``BF16`` as its uint16 patterns), raw ``uint8`` rows of blocks for
+            block-quantized types; shape ``ne`` reversed (for quantized types the last
+            axis is the row's bytes). SAFETY: under ``mmap`` it is a read-only view of the
+            file mapping, valid until the model is closed.
+    """
+
+    name: str
+    ggml_type: str
+    ne: tuple[int, ...]
+    nbytes: int
+    buffer_type: str
+    device: str
+    data: np.ndarray[Any, np.dtype[Any]]
+
+
+class LoadedModel:
+    """Weights resident on their devices, with what holds them.
+
+    A model owns its buffers and file mappings; :meth:`close` releases them (also on
+    ``with`` exit). After closing, tensor arrays obtained earlier must not be used.
+
+    Attributes:
+        index: the weights index the model was loaded from.
+        load_mode: the load mode used (``mmap``, ``none``, ...).
+        tensors: name -> :class:`LoadedTensor`, in load order.
+        report: the memory report.
+    """
+
+    def __init__(
+        self,
+        index: WeightIndex,
+        load_mode: str,
+        tensors: dict[str, LoadedTensor],
+        report: MemoryReport,
+        release: Callable[[], None],
+    ) -> None:
+        self.index = index
+        self.load_mode = load_mode
+        self.tensors = tensors
+        self.report = report
+        self._release: Callable[[], None] | None = release
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._release is None
+
+    def close(self) -> None:
+        """Release every buffer and mapping the model holds. Idempotent."""
+        release, self._release = self._release, None
+        if release is None:
+            return
+        for tensor in self.tensors.values():
+            tensor.data = np.empty(0, dtype=np.uint8)
+        release()
+
+    def __iter__(self) -> Iterator[LoadedTensor]:
+        return iter(self.tensors.values())
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, name: str) -> LoadedTensor:
+        return self.tensors[name]
+
+    def __enter__(self) -> LoadedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,103 @@
+"""What ``hoist inspect`` shows of a model: format, type, size, BPW, metadata, tensors."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from service.loader.file_types import file_type_name
+from service.loader.gguf import GGUFArray
+from service.loader.weights import WeightIndex
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+_VERSION_NAMES = {1: "GGUF V1 (support until nov 2023)", 2: "GGUF V2", 3: "GGUF V3 (latest)"}
+
+
+def file_format(version: int) -> str:
+    """llama.cpp's name of a GGUF version (``GGUF V3 (latest)``)."""
+    return _VERSION_NAMES.get(version, f"GGUF V{version}")
+
+
+def size_text(nbytes: int, n_elements: int) -> str:
+    """llama.cpp's ``file size`` figure: MiB below 1 GiB, GiB above, with BPW."""
+    bpw = nbytes * 8 / n_elements if n_elements else 0.0
+    if nbytes < GiB:
+        return f"{nbytes / MiB:.2f} MiB ({bpw:.2f} BPW)"
+    return f"{nbytes / GiB:.2f} GiB ({bpw:.2f} BPW)"
+
+
+def value_json(value: Any, *, max_items: int | None = None) -> Any:
+    """A KV value as JSON data; arrays cut to ``max_items`` elements when given."""
+    if isinstance(value, GGUFArray):
+        return value.to_list() if max_items is None else value.head(max_items)
+    return value
+
+
+def value_text(value: Any, *, max_items: int = 8) -> str:
+    """A KV value shortened for a table: long arrays show their head and length."""
+    if isinstance(value, GGUFArray):
+        head = ", ".join(repr(v) for v in value.head(max_items))
+        more = f", ... ({value.count} items)" if value.count > max_items else ""
+        return f"[{head}{more}]"
+    if isinstance(value, str):
+        return repr(value if len(value) <= 120 else value[:117] + "...")
+    return str(value)
+
+
+def summarize(index: WeightIndex, *, max_items: int | None = None) -> dict[str, Any]:
+    """The model's description as JSON-ready data.
+
+    Args:
+        index: the model.
+        max_items: cut array values to this many elements (None: full arrays).
+    """
+    meta = index.metadata
+    file_type = meta.get("general.file_type")
+    types = Counter(w.info.ggml_type.name for w in index.weights.values())
+    return {
+        "path": index.path,
+        "file_format": file_format(meta.version),
+        "version": meta.version,
+        "byte_order": meta.byte_order,
+        "architecture": meta.get("general.architecture"),
+        "file_type": file_type,
+        "file_type_name": file_type_name(
+            file_type if isinstance(file_type, int) else None,
+            (w.info.ggml_type.name for w in index.weights.values()),
+        ),
+        "file_size_bytes": sum(f.file_size for f in index.files),
+        "n_tensors": len(index),
+        "n_elements": index.n_elements,
+        "tensor_bytes": index.nbytes,
+        "size": size_text(index.nbytes, index.n_elements),
+        "bpw": round(index.bpw, 4),
+        "tensor_types": dict(sorted(types.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "alignment": meta.alignment,
+        "splits": [
+            {
+                "index": i,
+                "path": f.path,
+                "file_size_bytes": f.file_size,
+                "data_offset": f.data_offset,
+                "n_tensors": len(f.tensors),
+            }
+            for i, f in enumerate(index.files)
+        ],
+        "metadata": [
+            {"key": e.key, "type": e.type_name, "value": value_json(e.value, max_items=max_items)}
+            for e in meta.kv.values()
+        ],
+        "tensors": [
+            {
+                "name": w.name,
+                "type": w.info.ggml_type.name,
+                "ne": list(w.info.ne),
+                "bytes": w.nbytes,
+                "split": w.file_index,
+                "offset": w.offset,
+            }
+            for w in index.weights.values()
+        ],
+    }

@@ -1,0 +1,189 @@
+"""The real service over HTTP: start a load, follow it, read the report and devices;
+bad requests and bad files get a 4xx problem; the service stays healthy."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.loader import pipeline
+from tests.helpers import Fixture, write_fixture
+
+
+def wait_for(client: httpx.Client, location: str, states: set[str], timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        job: dict[str, Any] = client.get(location).json()
+        if job["state"] in states:
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job stayed {job['state']}: {job}")
+        time.sleep(0.02)
+
+
+def put(models_dir: Path, fx: Fixture | Path, name: str | None = None) -> str:
+    src = fx.path if isinstance(fx, Fixture) else fx
+    dest = models_dir / (name or src.name)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+    return dest.name
+
+
+@pytest.mark.parametrize("mode", ["mmap", "none"])
+def test_load_a_fixture_end_to_end(live_server: str, models_dir: Path, all_types_fixture: Fixture, mode: str) -> None:
+    name = put(models_dir, all_types_fixture)
+    with httpx.Client(base_url=live_server) as client:
+        resp = client.post("/v1/loads", json={"model": name, "load_mode": mode})
+        assert resp.status_code == 202, resp.text
+        job = resp.json()
+        assert resp.headers["location"] == f"/v1/loads/{job['id']}"
+        assert job["state"] in ("queued", "running", "succeeded")
+        assert job["bytes_total"] == sum(d.nbytes for d, _ in all_types_fixture.tensors.values())
+        done = wait_for(client, resp.headers["location"], {"succeeded", "failed", "cancelled"})
+        assert done["state"] == "succeeded", done
+        assert done["bytes_done"] == done["bytes_total"] and done["progress"] == 1.0
+        memory = done["memory"]
+        buffer_type = "CPU_Mapped" if mode == "mmap" else "CPU"
+        assert {b["buffer_type"] for b in memory["buffers"]} == {buffer_type}
+        # buffers hold the tensor bytes, plus at most the alignment padding between them
+        n = len(all_types_fixture.tensors)
+        assert done["bytes_total"] <= memory["total_bytes"] <= done["bytes_total"] + 32 * n
+        devices = client.get("/v1/devices").json()["data"]
+        cpu = next(d for d in devices if d["name"] == "CPU")
+        assert cpu["total_bytes"] >= cpu["free_bytes"] > 0
+        use = next(u for u in cpu["models"] if u["model_id"] == done["model_id"])
+        assert use["buffer_types"] == {buffer_type: memory["total_bytes"]}
+        models = client.get("/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [done["model_id"]]
+        assert client.delete(f"/v1/models/{done['model_id']}").status_code == 200
+        assert client.get("/v1/models").json()["data"] == []
+        assert client.get("/v1/devices").json()["data"][0]["models"] == []
+
+
+@pytest.mark.sample
+def test_load_the_sample_over_http(live_server: str, models_dir: Path, sample_path: Path) -> None:
+    put(models_dir, sample_path)
+    with httpx.Client(base_url=live_server) as client:
+        resp = client.post("/v1/loads", json={"model": sample_path.name})
+        assert resp.status_code == 202
+        done = wait_for(client, resp.headers["location"], {"succeeded", "failed"})
+        assert done["state"] == "succeeded", done
+        assert done["n_tensors"] == 236
+        assert done["memory"]["total_bytes"] == done["bytes_total"] == 246587904
+        assert done["memory"]["lines"] == ["  CPU_Mapped model buffer size =   235.16 MiB"]
+
+
+def test_the_service_answers_while_a_load_runs(
+    live_server: str, models_dir: Path, all_types_fixture: Fixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+    entered = threading.Event()
+    real_run_steps = pipeline._run_steps
+
+    def gated(*args: Any, **kwargs: Any) -> None:
+        entered.set()
+        assert gate.wait(30)
+        real_run_steps(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_run_steps", gated)
+    name = put(models_dir, all_types_fixture)
+    with httpx.Client(base_url=live_server, timeout=5) as client:
+        location = client.post("/v1/loads", json={"model": name}).headers["location"]
+        assert entered.wait(10)
+        # the load is blocked inside its worker: the service still answers
+        assert client.get(location).json()["state"] == "running"
+        assert client.get("/healthz").json() == {"status": "ok"}
+        assert client.get("/v1/devices").status_code == 200
+        gate.set()
+        assert wait_for(client, location, {"succeeded", "failed"})["state"] == "succeeded"
+
+
+def test_cancel_a_running_load(
+    live_server: str, models_dir: Path, all_types_fixture: Fixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+    real_run_steps = pipeline._run_steps
+
+    def gated(steps: Any, chunk: int, cancel: threading.Event, report: Any) -> None:
+        gate.set()
+        cancel.wait(30)
+        real_run_steps(steps, chunk, cancel, report)
+
+    monkeypatch.setattr(pipeline, "_run_steps", gated)
+    name = put(models_dir, all_types_fixture)
+    with httpx.Client(base_url=live_server, timeout=5) as client:
+        location = client.post("/v1/loads", json={"model": name}).headers["location"]
+        assert gate.wait(10)
+        resp = client.post(f"{location}/cancel")
+        assert resp.status_code == 202 and resp.json()["cancel_requested"] is True
+        assert wait_for(client, location, {"succeeded", "failed", "cancelled"})["state"] == "cancelled"
+        again = client.post(f"{location}/cancel")
+        assert again.status_code == 409
+        assert again.headers["content-type"].startswith("application/problem+json")
+        assert client.get("/v1/models").json()["data"] == []
+
+
+def _bad_files(tmp_path: Path, good: Path) -> dict[str, tuple[bytes, str]]:
+    data = good.read_bytes()
+    return {
+        "magic.gguf": (b"GGML" + data[4:], "expected 'GGUF'"),
+        "truncated_header.gguf": (data[:40], "cannot fit"),
+        "past_eof.gguf": (data[:-1], "past the end of the file"),
+    }
+
+
+def test_bad_files_get_a_4xx_and_the_service_stays_healthy(
+    live_server: str, models_dir: Path, tmp_path: Path, all_types_fixture: Fixture
+) -> None:
+    with httpx.Client(base_url=live_server) as client:
+        for name, (raw, phrase) in _bad_files(tmp_path, all_types_fixture.path).items():
+            (models_dir / name).write_bytes(raw)
+            resp = client.post("/v1/loads", json={"model": name})
+            assert resp.status_code == 422, resp.text
+            assert resp.headers["content-type"].startswith("application/problem+json")
+            body = resp.json()
+            assert phrase in body["detail"] and name in body["detail"]
+            assert body["status"] == 422 and body["code"]
+        assert client.get("/healthz").status_code == 200
+        # and a good file still loads afterwards
+        good = put(models_dir, all_types_fixture)
+        location = client.post("/v1/loads", json={"model": good}).headers["location"]
+        assert wait_for(client, location, {"succeeded", "failed"})["state"] == "succeeded"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "missing.gguf"}, 404, "model_not_found"),
+        ({"model": "../outside.gguf"}, 400, "invalid_request"),
+        ({"model": "/etc/passwd"}, 400, "invalid_request"),
+        ({"model": "x.gguf", "load_mode": "fast"}, 422, "validation_error"),
+        ({"model": "x.gguf", "surprise": 1}, 422, "validation_error"),
+        ({}, 422, "validation_error"),
+    ],
+)
+def test_bad_requests(live_server: str, models_dir: Path, body: dict[str, Any], status: int, code: str) -> None:
+    (models_dir.parent / "outside.gguf").write_bytes(b"GGUF")
+    with httpx.Client(base_url=live_server) as client:
+        resp = client.post("/v1/loads", json=body)
+        assert resp.status_code == status, resp.text
+        assert resp.json()["code"] == code
+        assert client.get("/v1/loads/lj_nope").status_code == 404
+        assert client.get("/healthz").status_code == 200
+
+
+def test_symlink_out_of_the_models_dir_is_refused(live_server: str, models_dir: Path, tmp_path: Path) -> None:
+    target = write_fixture(tmp_path / "elsewhere.gguf").path
+    (models_dir / "link.gguf").symlink_to(target)
+    with httpx.Client(base_url=live_server) as client:
+        resp = client.post("/v1/loads", json={"model": "link.gguf"})
+        assert resp.status_code == 400 and "leaves the models directory" in resp.json()["detail"]

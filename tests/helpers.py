@@ -1,0 +1,105 @@
+"""GGUF fixtures written with the gguf package's writer, and what they contain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+
+# one value of every scalar type, and arrays of every element type
+ALL_VALUE_TYPES: list[tuple[str, Any, V, V | None]] = [
+    ("test.u8", 200, V.UINT8, None),
+    ("test.i8", -100, V.INT8, None),
+    ("test.u16", 60000, V.UINT16, None),
+    ("test.i16", -30000, V.INT16, None),
+    ("test.u32", 4_000_000_000, V.UINT32, None),
+    ("test.i32", -2_000_000_000, V.INT32, None),
+    ("test.f32", 1.5, V.FLOAT32, None),
+    ("test.bool_true", True, V.BOOL, None),
+    ("test.bool_false", False, V.BOOL, None),
+    ("test.string", "héllo, wörld ✓", V.STRING, None),
+    ("test.empty_string", "", V.STRING, None),
+    ("test.u64", 18_000_000_000_000_000_000, V.UINT64, None),
+    ("test.i64", -9_000_000_000_000_000_000, V.INT64, None),
+    ("test.f64", -2.25e300, V.FLOAT64, None),
+    ("test.arr_u8", [0, 1, 255], V.ARRAY, V.UINT8),
+    ("test.arr_i8", [-128, 0, 127], V.ARRAY, V.INT8),
+    ("test.arr_u16", [0, 65535], V.ARRAY, V.UINT16),
+    ("test.arr_i16", [-32768, 32767], V.ARRAY, V.INT16),
+    ("test.arr_u32", [1, 2, 3, 4_294_967_295], V.ARRAY, V.UINT32),
+    ("test.arr_i32", [-1, 0, 1], V.ARRAY, V.INT32),
+    ("test.arr_f32", [0.5, -0.25, 3.0], V.ARRAY, V.FLOAT32),
+    ("test.arr_bool", [True, False, True], V.ARRAY, V.BOOL),
+    ("test.arr_str", ["a", "", "ünïcode", "x" * 300], V.ARRAY, V.STRING),
+    ("test.arr_u64", [0, 2**64 - 1], V.ARRAY, V.UINT64),
+    ("test.arr_i64", [-(2**63), 2**63 - 1], V.ARRAY, V.INT64),
+    ("test.arr_f64", [1e-300, -1e300], V.ARRAY, V.FLOAT64),
+]
+
+
+@dataclass
+class Fixture:
+    """A GGUF file written for a test, and what was written into it."""
+
+    path: Path
+    kv: list[tuple[str, Any, V, V | None]]
+    tensors: dict[str, tuple[np.ndarray, Q]] = field(default_factory=dict)
+    alignment: int = 32
+
+
+def quantized_bytes(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarray:
+    """Random block bytes of a ``rows x cols`` tensor of ``qtype``, shaped (rows, row bytes)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
+
+
+def write_fixture(
+    path: Path,
+    *,
+    kv: list[tuple[str, Any, V, V | None]] | None = None,
+    tensors: dict[str, tuple[np.ndarray, Q]] | None = None,
+    alignment: int | None = None,
+    arch: str = "llama",
+    endian: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE,
+) -> Fixture:
+    """Write a GGUF file with ``kv`` metadata and ``tensors`` (name -> (data, ggml type));
+    block-quantized data is given as uint8 rows of blocks."""
+    kv = list(kv or [])
+    tensors = dict(tensors or {})
+    writer = gguf.GGUFWriter(path, arch, endianess=endian)
+    try:
+        if alignment is not None:
+            writer.add_custom_alignment(alignment)
+        for key, value, vtype, sub in kv:
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+        for name, (data, qtype) in tensors.items():
+            if data.dtype == np.uint8:
+                writer.add_tensor(name, data, raw_dtype=qtype)
+            else:
+                writer.add_tensor(name, data)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return Fixture(path, kv, tensors, alignment or 32)
+
+
+def mixed_tensors(seed: int = 0) -> dict[str, tuple[np.ndarray, Q]]:
+    """Tensors of several ggml types (F32, F16, Q8_0, Q4_K, Q6_K, I32), some of sizes that
+    are not multiples of 32 bytes, in several layers named out of numeric order."""
+    rng = np.random.default_rng(seed)
+    return {
+        "token_embd.weight": (quantized_bytes(rng, Q.Q8_0, 16, 64), Q.Q8_0),
+        "blk.10.attn_q.weight": (quantized_bytes(rng, Q.Q4_K, 4, 256), Q.Q4_K),
+        "blk.2.attn_norm.weight": (rng.standard_normal(7).astype(np.float32), Q.F32),
+        "blk.2.ffn_up.weight": (rng.standard_normal((3, 5)).astype(np.float16), Q.F16),
+        "blk.0.ffn_down.weight": (quantized_bytes(rng, Q.Q6_K, 2, 512), Q.Q6_K),
+        "blk.1.pos.weight": (rng.integers(-5, 5, size=(2, 3), dtype=np.int32), Q.I32),
+        "output_norm.weight": (rng.standard_normal(64).astype(np.float32), Q.F32),
+    }

@@ -1,0 +1,163 @@
+"""Loading onto the host: every tensor byte-identical to gguf-py's reader, in every load
+mode; progress; cancellation and closing release everything."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from service.errors import ByteOrderError, LoadCancelledError, RequestError
+from service.loader.model import LoadedModel
+from service.loader.pipeline import LoadMode, Progress, load_model
+from service.loader.weights import open_model
+from tests.helpers import Fixture, mixed_tensors, write_fixture
+from tests.resources import fds_on, load_threads, mappings_of
+
+MODES = [m.value for m in LoadMode]
+
+
+def assert_matches_reader(model: LoadedModel, reader: Any) -> None:
+    """Every tensor of ``model`` has the bytes, type and shape gguf-py reads."""
+    assert len(model) == len(reader.tensors)
+    for ref in reader.tensors:
+        t = model[ref.name]
+        assert t.ggml_type == ref.tensor_type.name
+        assert t.ne == tuple(int(d) for d in ref.shape)
+        assert t.nbytes == int(ref.n_bytes)
+        assert t.data.nbytes == t.nbytes
+        assert t.data.tobytes() == np.asarray(ref.data).tobytes(), ref.name
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fixture_name", ["all_types_fixture", "aligned_fixture"])
+async def test_bytes_match_gguf_py(fixture_name: str, mode: str, request: pytest.FixtureRequest) -> None:
+    fx: Fixture = request.getfixturevalue(fixture_name)
+    with await load_model(open_model(fx.path), load_mode=mode) as model:
+        assert_matches_reader(model, gguf.GGUFReader(fx.path))
+        expected_type = "CPU_Mapped" if mode == "mmap" else "CPU"
+        assert {t.buffer_type for t in model} == {expected_type}
+        assert {b.buffer_type for b in model.report.buffers} == {expected_type}
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_typed_views_hold_the_written_values(all_types_fixture: Fixture, mode: str) -> None:
+    with await load_model(open_model(all_types_fixture.path), load_mode=mode) as model:
+        for name, (data, qtype) in all_types_fixture.tensors.items():
+            t = model[name]
+            if qtype.name in ("F32", "F16", "I32"):
+                assert t.data.dtype == data.dtype
+                np.testing.assert_array_equal(t.data, data)
+            else:
+                assert t.data.dtype == np.uint8
+                assert t.data.shape == data.shape
+
+
+@pytest.mark.sample
+@pytest.mark.parametrize("mode", MODES)
+async def test_sample_model_bytes_match_gguf_py(sample_path: Path, sample_reader: Any, mode: str) -> None:
+    with await load_model(open_model(sample_path), load_mode=mode) as model:
+        assert len(model) == 236
+        assert_matches_reader(model, sample_reader)
+        assert model.report.total_nbytes == model.index.nbytes
+        assert model.report.lines() == [
+            f"{'CPU_Mapped' if mode == 'mmap' else 'CPU':>12} model buffer size =   235.16 MiB"
+        ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_progress_is_monotonic_and_complete(aligned_fixture: Fixture, mode: str) -> None:
+    index = open_model(aligned_fixture.path)
+    seen: list[Progress] = []
+    with await load_model(index, load_mode=mode, on_progress=seen.append, chunk_nbytes=64):
+        pass
+    done = [p.bytes_done for p in seen]
+    assert done[0] == 0 and done[-1] == index.nbytes
+    assert all(b > a for a, b in zip(done, done[1:], strict=False))
+    assert {p.bytes_total for p in seen} == {index.nbytes}
+    assert len(seen) > len(index)  # chunks smaller than tensors report inside a tensor
+
+
+def test_memory_report_lines_follow_llama_cpp_format() -> None:
+    from service.loader.model import BufferInfo, MemoryReport
+
+    report = MemoryReport(
+        (
+            BufferInfo("CPU_Mapped", "CPU", 246587904, mapped=True, host=True),
+            BufferInfo("CPU", "CPU", 1 << 20, mapped=False, host=True),
+        )
+    )
+    assert report.lines() == [
+        "  CPU_Mapped model buffer size =   235.16 MiB",
+        "         CPU model buffer size =     1.00 MiB",
+    ]
+    assert report.to_dict()["by_device"] == {"CPU": {"CPU_Mapped": 246587904, "CPU": 1 << 20}}
+    assert report.total_nbytes == 246587904 + (1 << 20)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_close_releases_mappings_and_files(aligned_fixture: Fixture, mode: str) -> None:
+    path = aligned_fixture.path
+    model = await load_model(open_model(path), load_mode=mode)
+    if mode == "mmap":
+        assert mappings_of(path) >= 1
+    assert fds_on(path) == 0  # the data is mapped or copied; no descriptor stays open
+    model.close()
+    model.close()  # idempotent
+    assert mappings_of(path) == 0
+    assert model.closed
+    assert all(t.data.nbytes == 0 for t in model)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_cancel_from_the_progress_callback(aligned_fixture: Fixture, mode: str) -> None:
+    path = aligned_fixture.path
+    calls = 0
+
+    def stop_after_two(_: Progress) -> bool:
+        nonlocal calls
+        calls += 1
+        return calls < 3
+
+    with pytest.raises(LoadCancelledError):
+        await load_model(open_model(path), load_mode=mode, on_progress=stop_after_two, chunk_nbytes=32)
+    assert mappings_of(path) == 0 and fds_on(path) == 0 and load_threads() == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_cancel_the_task_mid_load(tmp_path: Path, mode: str) -> None:
+    rng = np.random.default_rng(5)
+    big = {
+        f"blk.{i}.w": (rng.standard_normal(1 << 18).astype(np.float32), gguf.GGMLQuantizationType.F32) for i in range(8)
+    }
+    path = write_fixture(tmp_path / "big.gguf", tensors=big).path
+    started = asyncio.Event()
+
+    def on_progress(p: Progress) -> None:
+        if p.bytes_done > 0:
+            started.set()
+
+    task = asyncio.create_task(load_model(open_model(path), load_mode=mode, on_progress=on_progress, chunk_nbytes=4096))
+    await asyncio.wait_for(started.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert mappings_of(path) == 0 and fds_on(path) == 0 and load_threads() == 0
+
+
+async def test_big_endian_data_is_refused(tmp_path: Path) -> None:
+    fx = write_fixture(tmp_path / "be.gguf", tensors=mixed_tensors(4), endian=gguf.GGUFEndian.BIG)
+    index = open_model(fx.path)
+    assert index.byte_order == "big"
+    with pytest.raises(ByteOrderError, match="big-endian") as info:
+        await load_model(index)
+    assert "gguf-convert-endian" in str(info.value)
+
+
+async def test_unknown_load_mode(all_types_fixture: Fixture) -> None:
+    with pytest.raises(RequestError, match="unknown load mode 'fast'"):
+        await load_model(open_model(all_types_fixture.path), load_mode="fast")

@@ -1,0 +1,73 @@
+"""The ``hoist`` command: inspect and load print what they should; bad files give one
+clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Fixture
+
+
+def hoist(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_inspect_lists_metadata_and_tensors(all_types_fixture: Fixture) -> None:
+    result = hoist("inspect", str(all_types_fixture.path))
+    assert result.returncode == 0, result.stderr
+    assert "GGUF V3 (latest)" in result.stdout
+    assert "test.arr_str" in result.stdout and "blk.10.attn_q.weight" in result.stdout
+    data = json.loads(hoist("inspect", "--json", str(all_types_fixture.path)).stdout)
+    assert data["n_tensors"] == len(all_types_fixture.tensors)
+    assert {m["key"] for m in data["metadata"]} >= {k for k, *_ in all_types_fixture.kv}
+    assert next(m for m in data["metadata"] if m["key"] == "test.arr_str")["value"][2] == "ünïcode"
+
+
+@pytest.mark.parametrize("mode", ["mmap", "none"])
+def test_load_prints_the_memory_report(all_types_fixture: Fixture, mode: str) -> None:
+    result = hoist("load", "--load-mode", mode, str(all_types_fixture.path))
+    assert result.returncode == 0, result.stderr
+    expected = "CPU_Mapped" if mode == "mmap" else "CPU"
+    assert f"{expected:>12} model buffer size = " in result.stdout
+    data = json.loads(hoist("load", "--json", "-lm", mode, str(all_types_fixture.path)).stdout)
+    assert data["n_tensors"] == len(all_types_fixture.tensors)
+    assert data["memory"]["buffers"][0]["buffer_type"] == expected
+
+
+@pytest.mark.sample
+def test_inspect_the_sample(sample_path: Path) -> None:
+    data = json.loads(hoist("inspect", "--json", str(sample_path)).stdout)
+    assert data["n_tensors"] == 236
+    assert data["file_type_name"] == "Q4_K - Medium"
+    assert data["architecture"] == "gemma3"
+    assert data["tensor_types"] == {"F32": 109, "Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
+    tokens = next(m for m in data["metadata"] if m["key"] == "tokenizer.ggml.tokens")
+    assert len(tokens["value"]) == 262144
+    text = hoist("inspect", str(sample_path)).stdout
+    assert "236 tensors" in text and "(262144 items)" in text
+
+
+@pytest.mark.parametrize("command", ["inspect", "load"])
+def test_bad_files_give_one_clear_line(tmp_path: Path, all_types_fixture: Fixture, command: str) -> None:
+    data = all_types_fixture.path.read_bytes()
+    cases = {
+        "magic.gguf": (b"GGML" + data[4:], "expected 'GGUF'"),
+        "truncated.gguf": (data[:40], "cannot fit"),
+        "past_eof.gguf": (data[:-1], "past the end of the file"),
+        "missing.gguf": (None, "No such file"),
+    }
+    for name, (raw, phrase) in cases.items():
+        path = tmp_path / name
+        if raw is not None:
+            path.write_bytes(raw)
+        result = hoist(command, str(path))
+        assert result.returncode == 1, (name, result.stdout, result.stderr)
+        assert "Traceback" not in result.stderr
+        assert phrase in result.stderr and str(path) in result.stderr
