@@ -21,14 +21,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from service import __version__
 from service.errors import HoistError
 from service.loader import pipeline
-from service.loader.summary import summarize, value_text
+from service.loader.summary import printable, summarize, value_text
 from service.loader.weights import open_model
 
-out = Console(highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True, markup=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 DEFAULT_MODELS_DIR = "models"
@@ -58,30 +59,31 @@ def _progress_bar() -> Progress:
 def cmd_inspect(args: argparse.Namespace) -> int:
     index = open_model(args.path)
     if args.json:
-        sys.stdout.write(json.dumps(summarize(index), indent=1) + "\n")
+        sys.stdout.write(json.dumps(summarize(index), indent=1, allow_nan=False) + "\n")
         return 0
     info = summarize(index, max_items=8)
-    out.print(f"[bold]{info['path']}[/bold]")
+    out.print(printable(info["path"]), style="bold")
     out.print(f"file format = {info['file_format']}, {info['byte_order']}-endian")
     out.print(f"file type   = {info['file_type_name']}")
-    out.print(f"file size   = {info['size']}, {info['file_size_bytes']} bytes on disk")
-    out.print(f"tensors     = {info['n_tensors']} ({', '.join(f'{t}: {n}' for t, n in info['tensor_types'].items())})")
+    out.print(f"file size   = {info['size']} of tensor data; {info['file_size_bytes']} bytes on disk")
+    per_type = ", ".join(f"{t}: {n}" for t, n in info["tensor_types"].items())
+    out.print(f"tensors     = {info['n_tensors']} ({per_type})")
     if len(info["splits"]) > 1:
         out.print(f"splits      = {len(info['splits'])}")
         for s in info["splits"]:
-            out.print(f"  {s['index']}: {s['path']} ({s['n_tensors']} tensors)")
-    kv = Table(title=f"{len(info['metadata'])} KV pairs", title_justify="left")
+            out.print(f"  {s['index']}: {printable(s['path'])} ({s['n_tensors']} tensors)")
+    kv = Table(title=f"KV metadata: {len(info['metadata'])}", title_justify="left")
     for col in ("key", "type", "value"):
         kv.add_column(col, overflow="fold")
     for entry in index.metadata.kv.values():
-        kv.add_row(entry.key, entry.type_name, value_text(entry.value))
+        kv.add_row(Text(printable(entry.key)), Text(entry.type_name), Text(value_text(entry.value)))
     out.print(kv)
-    tensors = Table(title=f"{info['n_tensors']} tensors", title_justify="left")
+    tensors = Table(title=f"tensors: {info['n_tensors']}", title_justify="left")
     for col, justify in (("name", "left"), ("type", "left"), ("ne", "left"), ("bytes", "right"), ("offset", "right")):
         tensors.add_column(col, justify=justify)  # type: ignore[arg-type]
     for t in info["tensors"]:
         where = f"{t['split']}:{t['offset']}" if len(info["splits"]) > 1 else str(t["offset"])
-        tensors.add_row(t["name"], t["type"], str(tuple(t["ne"])), str(t["bytes"]), where)
+        tensors.add_row(Text(printable(t["name"])), t["type"], str(tuple(t["ne"])), str(t["bytes"]), where)
     out.print(tensors)
     return 0
 
@@ -139,12 +141,34 @@ def _settings(models_dir: str | None) -> Any:
     return Settings(models_dir=Path(models_dir))
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Raise RequestError when ``host:port`` cannot be bound (in use, or not ours)."""
+    import socket
+
+    from service.errors import RequestError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise RequestError(f"cannot resolve host '{host}': {exc}") from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise RequestError(
+                f"cannot listen on {host}:{port}: {exc.strerror}", hint="choose another port with --port"
+            ) from exc
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.api.app import create_app
 
     app = create_app(_settings(args.models_dir))
+    _check_port_free(args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level)
     return 0
 
@@ -166,6 +190,7 @@ async def _demo(args: argparse.Namespace) -> int:
     from service.sample import place_sample
 
     models_dir = args.models_dir or os.environ.get("HOIST_MODELS_DIR", DEFAULT_MODELS_DIR)
+    _check_port_free(args.host, args.port)
     err.print(f"placing the sample model in {models_dir}/ ...")
     sample = await asyncio.to_thread(place_sample, models_dir)
     app = create_app(_settings(models_dir))
@@ -261,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except HoistError as exc:
-        err.print(f"[red]hoist: error:[/red] {escape(exc.describe())}")
+        err.print(f"[red]hoist: error:[/red] {escape(printable(exc.describe()))}")
         return 1
     except KeyboardInterrupt:
         return 130

@@ -103,3 +103,98 @@ def mixed_tensors(seed: int = 0) -> dict[str, tuple[np.ndarray, Q]]:
         "blk.1.pos.weight": (rng.integers(-5, 5, size=(2, 3), dtype=np.int32), Q.I32),
         "output_norm.weight": (rng.standard_normal(64).astype(np.float32), Q.F32),
     }
+
+
+def split_gguf(src: Path, dest_prefix: Path, counts: list[int]) -> list[Path]:
+    """Cut the GGUF file ``src`` into ``len(counts)`` splits of ``counts[i]`` tensors in file
+    order, as llama.cpp's gguf-split does: all metadata in the first split, ``split.no``,
+    ``split.count`` and ``split.tensors.count`` in every split, each split with its own
+    aligned data section. Returns the paths ``PREFIX-%05d-of-%05d.gguf``."""
+    import struct as _struct
+
+    from service.io.align import align_up
+    from service.loader.gguf import read_gguf
+
+    f = read_gguf(src)
+    assert sum(counts) == len(f.tensors)
+    raw = src.read_bytes()
+    entries = list(f.kv.values())
+    kv_end = f.tensors[0].info_offset if f.tensors else f.data_offset
+    kv_blob = raw[entries[0].offset : kv_end] if entries else b""
+
+    def string(s: str) -> bytes:
+        b = s.encode()
+        return _struct.pack("<Q", len(b)) + b
+
+    n = len(counts)
+    paths = []
+    start = 0
+    for i, count in enumerate(counts):
+        tensors = f.tensors[start : start + count]
+        start += count
+        split_kv = (
+            string("split.no") + _struct.pack("<IH", V.UINT16, i)
+            + string("split.count") + _struct.pack("<IH", V.UINT16, n)
+            + string("split.tensors.count") + _struct.pack("<Ii", V.INT32, len(f.tensors))
+        )  # fmt: skip
+        n_kv = 3 + (len(entries) if i == 0 else 0)
+        body = bytearray(b"GGUF" + _struct.pack("<IQQ", 3, len(tensors), n_kv))
+        if i == 0:
+            body += kv_blob
+        body += split_kv
+        rel = 0
+        for t in tensors:
+            body += string(t.name) + _struct.pack("<I", len(t.ne))
+            body += b"".join(_struct.pack("<Q", d) for d in t.ne)
+            body += _struct.pack("<IQ", t.ggml_type.id, rel)
+            rel += align_up(t.nbytes, f.alignment)
+        body += b"\0" * (align_up(len(body), f.alignment) - len(body))
+        for t in tensors:
+            at = f.data_offset + t.offset
+            body += raw[at : at + t.nbytes]
+            body += b"\0" * (align_up(t.nbytes, f.alignment) - t.nbytes)
+        path = Path(f"{dest_prefix}-{i + 1:05d}-of-{n:05d}.gguf")
+        path.write_bytes(bytes(body))
+        paths.append(path)
+    return paths
+
+
+# -- hand-made GGUF bytes, for inputs no writer produces ------------------------------------
+
+
+def gguf_string(s: str | bytes) -> bytes:
+    """A GGUF string: u64 length and the bytes."""
+    import struct as _struct
+
+    b = s.encode() if isinstance(s, str) else s
+    return _struct.pack("<Q", len(b)) + b
+
+
+def gguf_kv(key: str | bytes, vtype: V, payload: bytes) -> bytes:
+    """One KV pair: key, value type, and the already-encoded value."""
+    import struct as _struct
+
+    return gguf_string(key) + _struct.pack("<I", vtype) + payload
+
+
+def gguf_tensor_info(name: str | bytes, ne: list[int], ggml_type: int, offset: int) -> bytes:
+    """One tensor info (``ne`` as signed 64-bit values)."""
+    import struct as _struct
+
+    return (
+        gguf_string(name)
+        + _struct.pack("<I", len(ne))
+        + b"".join(_struct.pack("<q", d) for d in ne)
+        + _struct.pack("<iQ", ggml_type, offset)
+    )
+
+
+def raw_gguf(
+    kvs: list[bytes], infos: list[bytes], data: bytes = b"", *, alignment: int = 32, version: int = 3
+) -> bytes:
+    """A whole file: header with the counts of ``kvs`` and ``infos``, padding, ``data``."""
+    import struct as _struct
+
+    head = b"GGUF" + _struct.pack("<IQQ", version, len(infos), len(kvs)) + b"".join(kvs) + b"".join(infos)
+    pad = (-len(head)) % alignment if infos else 0
+    return head + b"\0" * pad + data

@@ -51,7 +51,7 @@ def test_inspect_the_sample(sample_path: Path) -> None:
     tokens = next(m for m in data["metadata"] if m["key"] == "tokenizer.ggml.tokens")
     assert len(tokens["value"]) == 262144
     text = hoist("inspect", str(sample_path)).stdout
-    assert "236 tensors" in text and "(262144 items)" in text
+    assert "tensors: 236" in text and "(262144 items)" in text
 
 
 @pytest.mark.parametrize("command", ["inspect", "load"])
@@ -71,3 +71,30 @@ def test_bad_files_give_one_clear_line(tmp_path: Path, all_types_fixture: Fixtur
         assert result.returncode == 1, (name, result.stdout, result.stderr)
         assert "Traceback" not in result.stderr
         assert phrase in result.stderr and str(path) in result.stderr
+
+
+def test_inspect_survives_hostile_metadata(tmp_path: Path) -> None:
+    import struct
+
+    from gguf import GGUFValueType as V
+
+    from tests.helpers import gguf_kv, gguf_string, raw_gguf
+
+    kvs = [
+        gguf_kv("general.architecture", V.ARRAY, struct.pack("<IQ", V.UINT8, 1) + b"\x01"),
+        gguf_kv("general.file_type", V.ARRAY, struct.pack("<IQ", V.UINT8, 1) + b"\x01"),
+        gguf_kv("general.name", V.STRING, gguf_string("[/bold] \x1b]0;pwned\x07\x1b[31m")),
+        gguf_kv("f.nan", V.FLOAT32, struct.pack("<f", float("nan"))),
+        gguf_kv("f.arr", V.ARRAY, struct.pack("<IQdd", V.FLOAT64, 2, float("inf"), 1.5)),
+        gguf_kv("k\x1b[2J", V.UINT8, b"\x01"),
+    ]
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(raw_gguf(kvs, []))
+    data = json.loads(hoist("inspect", "--json", str(path)).stdout)
+    assert data["architecture"] is None and data["file_type"] is None
+    values = {m["key"]: m["value"] for m in data["metadata"]}
+    assert values["f.nan"] == "nan" and values["f.arr"] == ["inf", 1.5]
+    text = hoist("inspect", str(path))
+    assert text.returncode == 0, text.stderr
+    assert "\x1b" not in text.stdout and "\\x1b" in text.stdout
+    assert "[/bold]" in text.stdout

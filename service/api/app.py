@@ -29,7 +29,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        jobs = JobManager(str(settings.models_dir), settings.max_concurrent_loads)
+        jobs = JobManager(str(settings.models_dir), settings.max_concurrent_loads, settings.job_history)
         logger.info("serving models from %s", settings.models_dir)
         try:
             yield {"jobs": jobs, "devices": [CPUDevice()], "settings": settings}

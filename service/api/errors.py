@@ -3,6 +3,7 @@ status here, and nowhere else."""
 
 from __future__ import annotations
 
+import os
 from http import HTTPStatus
 from typing import Any
 
@@ -45,6 +46,20 @@ def status_for(exc: HoistError) -> int:
     return 500
 
 
+def public_error(exc: HoistError, models_dir: str) -> dict[str, Any]:
+    """``exc.to_dict()`` with paths shown relative to the models directory, so that
+    responses do not reveal where the server keeps its files."""
+    data = exc.to_dict()
+    prefixes = {os.path.join(models_dir, ""), os.path.join(os.path.realpath(models_dir), "")}
+    for key in ("message", "path", "hint"):
+        value = data.get(key)
+        if isinstance(value, str):
+            for prefix in prefixes:
+                value = value.replace(prefix, "")
+            data[key] = value
+    return data
+
+
 def problem(status: int, detail: str, code: str, instance: str, **extra: Any) -> JSONResponse:
     """A problem+json response."""
     body: dict[str, Any] = {
@@ -61,10 +76,11 @@ def problem(status: int, detail: str, code: str, instance: str, **extra: Any) ->
 
 async def _hoist_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HoistError)
-    data = exc.to_dict()
-    data.pop("message", None)
+    jobs = getattr(request.state, "jobs", None)
+    data = public_error(exc, jobs.models_dir) if jobs is not None else exc.to_dict()
+    detail = data.pop("message")
     code = data.pop("code")
-    return problem(status_for(exc), exc.describe(), code, request.url.path, **data)
+    return problem(status_for(exc), detail, code, request.url.path, **data)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

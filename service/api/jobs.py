@@ -15,6 +15,7 @@ from typing import Any
 
 import aiofiles.os
 
+from service.api.errors import public_error
 from service.errors import ConflictError, HoistError, ModelPathError, NotFoundError, RequestError
 from service.loader.model import LoadedModel, MemoryReport
 from service.loader.pipeline import LoadMode, Progress, load_model
@@ -118,8 +119,12 @@ async def resolve_model_path(models_dir: str, model: str) -> str:
             (through ``..`` or a symbolic link).
         ModelPathError: no such file.
     """
-    if not model or os.path.isabs(model) or "\0" in model:
-        raise RequestError(f"model path '{model}' must be a non-empty path relative to the models directory")
+    try:
+        model.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"model path {ascii(model)} is not valid UTF-8") from None
+    if not model or os.path.isabs(model) or "\0" in model or model.endswith("/"):
+        raise RequestError(f"model path {model!r} must name a file relative to the models directory")
     root = os.path.realpath(models_dir)
     path = os.path.realpath(os.path.join(root, model))
     if os.path.commonpath([root, path]) != root:
@@ -134,14 +139,19 @@ class JobManager:
 
     Args:
         models_dir: request paths are relative to it.
-        max_concurrent_loads: loads running at once; others wait as ``queued``.
+        max_concurrent_loads: loads (and header parses) running at once; other loads
+            wait as ``queued``.
+        job_history: ended jobs kept for ``GET /v1/loads``; older ones are forgotten.
     """
 
-    def __init__(self, models_dir: str, max_concurrent_loads: int = 1) -> None:
+    def __init__(self, models_dir: str, max_concurrent_loads: int = 1, job_history: int = 256) -> None:
         self.models_dir = models_dir
+        self.job_history = job_history
         self.jobs: dict[str, LoadJob] = {}
         self.models: dict[str, ResidentModel] = {}
         self._slots = asyncio.Semaphore(max_concurrent_loads)
+        # header parses of submitted models (bounded: a header can be large to parse)
+        self._parsing = asyncio.Semaphore(max_concurrent_loads)
         self._counter = itertools.count(1)
 
     def _new_id(self) -> str:
@@ -155,7 +165,8 @@ class JobManager:
             FormatError, StorageError: the file is not a valid, readable GGUF model.
         """
         path = await resolve_model_path(self.models_dir, model)
-        index = await asyncio.to_thread(open_model, path)
+        async with self._parsing:
+            index = await asyncio.to_thread(open_model, path, root=self.models_dir)
         job = LoadJob(
             id=self._new_id(),
             model=model,
@@ -166,7 +177,20 @@ class JobManager:
         )
         self.jobs[job.id] = job
         job.task = asyncio.create_task(self._run(job, index), name=f"load {job.id}")
+        job.task.add_done_callback(lambda _: self._finished(job))
+        self._prune()
         return job
+
+    def _finished(self, job: LoadJob) -> None:
+        # a finished task keeps its frames (and what they referenced) through its result
+        # or exception; the job keeps only what it reports
+        job.task = None
+
+    def _prune(self) -> None:
+        """Forget the oldest ended jobs beyond ``job_history``."""
+        ended = [j for j in self.jobs.values() if j.state.terminal]
+        for job in ended[: max(0, len(ended) - self.job_history)]:
+            del self.jobs[job.id]
 
     def get(self, job_id: str) -> LoadJob:
         """The job ``job_id``. Raises NotFoundError."""
@@ -191,7 +215,7 @@ class JobManager:
                 job.transition(JobState.CANCELLED)
                 raise
             except HoistError as exc:
-                job.error = exc.to_dict()
+                job.error = public_error(exc, self.models_dir)
                 job.transition(JobState.FAILED)
                 logger.warning("load %s of %s failed: %s", job.id, job.model, exc)
                 return

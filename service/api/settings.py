@@ -21,6 +21,9 @@ class Settings(BaseSettings):
     """Loads that run at once; further loads wait in state ``queued``
     (``HOIST_MAX_CONCURRENT_LOADS``)."""
 
+    job_history: int = Field(default=256, ge=1)
+    """Ended load jobs kept for listing (``HOIST_JOB_HISTORY``)."""
+
     @field_validator("models_dir")
     @classmethod
     def _models_dir_exists(cls, value: Path) -> Path:

@@ -3,27 +3,41 @@
 from __future__ import annotations
 
 import os
+import stat
 
 from service.errors import StorageError
 
 
 def open_readonly(path: str) -> int:
-    """Open ``path`` for reading; returns the file descriptor.
+    """Open the regular file ``path`` for reading; returns the file descriptor.
+
+    The file is opened non-blocking, so a FIFO or device node cannot stall the open, and
+    refused unless it is a regular file.
 
     Raises:
-        StorageError: the file cannot be opened (the message gives the OS reason).
+        StorageError: the file cannot be opened or is not a regular file (the message
+            gives the reason).
     """
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise StorageError(f"cannot open: {exc.strerror}", path=path) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StorageError("not a regular file", path=path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def pread_into(fd: int, dest: memoryview, offset: int, *, path: str) -> None:
+def pread_into(fd: int, dest: memoryview, offset: int, *, path: str, tensor: str | None = None) -> None:
     """Fill ``dest`` with the file's bytes from ``offset``, retrying short reads.
 
     Raises:
-        StorageError: a read failed, or the file ended before ``dest`` was full.
+        StorageError: a read failed, or the file ended before ``dest`` was full (naming
+            ``tensor`` when given).
     """
     done = 0
     total = len(dest)
@@ -33,11 +47,13 @@ def pread_into(fd: int, dest: memoryview, offset: int, *, path: str) -> None:
         except InterruptedError:
             continue
         except OSError as exc:
-            raise StorageError(f"read failed: {exc.strerror}", path=path, offset=offset + done) from exc
+            raise StorageError(f"read failed: {exc.strerror}", path=path, offset=offset + done, tensor=tensor) from exc
         if n == 0:
+            what = f" in the data of tensor '{tensor}'" if tensor else ""
             raise StorageError(
-                f"unexpected end of file: {total - done} of {total} bytes missing",
+                f"unexpected end of file{what}: {total - done} of {total} bytes missing (did the file shrink?)",
                 path=path,
                 offset=offset + done,
+                tensor=tensor,
             )
         done += n

@@ -22,10 +22,29 @@ import numpy as np
 from service.errors import StorageError
 from service.io import libc
 from service.io.align import PAGE_SIZE, align_down, align_up
-from service.io.file import open_readonly
+from service.io.file import open_readonly, pread_into
 
 MADV_POPULATE_READ = 22
 """Linux 5.14+: fault in a range's pages, synchronously, without copying them."""
+
+
+def _probe_populate_read() -> bool:
+    """Whether this kernel knows ``MADV_POPULATE_READ`` (tried on an anonymous page)."""
+    page = _mmap_mod.mmap(-1, PAGE_SIZE)
+    try:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(page))
+        libc.madvise(addr, PAGE_SIZE, MADV_POPULATE_READ)
+        return True
+    except OSError:
+        return False
+    finally:
+        try:
+            page.close()
+        except BufferError:
+            pass
+
+
+POPULATE_READ_SUPPORTED = _probe_populate_read()
 
 
 def subtract_fragment(fragments: list[tuple[int, int]], first: int, last: int) -> list[tuple[int, int]]:
@@ -124,18 +143,40 @@ class Mapping:
     def populate(self, offset: int, nbytes: int) -> None:
         """Fault in ``[offset, offset + nbytes)`` now, reading it from disk if needed.
 
-        Uses ``MADV_POPULATE_READ`` and falls back to ``MADV_WILLNEED`` plus touching one
-        byte per page on kernels without it.
+        Uses ``MADV_POPULATE_READ`` (Linux 5.14+), which fails cleanly where touching the
+        pages would raise SIGBUS (a file that shrank while mapped). Older kernels get
+        ``MADV_WILLNEED`` and a positioned read of the range, which brings the same pages
+        into the page cache and cannot fault.
+
+        Raises:
+            StorageError: the bytes cannot be read (the file shrank or changed while mapped,
+                or an I/O error).
         """
         self._check_mapped(offset, nbytes)
         if nbytes <= 0:
             return
+        if POPULATE_READ_SUPPORTED:
+            try:
+                self.advise(offset, nbytes, MADV_POPULATE_READ)
+            except OSError as exc:
+                raise StorageError(
+                    f"cannot read mapped bytes [{offset}, {offset + nbytes}): {os.strerror(exc.errno or 0)}"
+                    " (did the file shrink or change while mapped?)",
+                    path=self.path,
+                    offset=offset,
+                ) from exc
+            return
+        self.advise(offset, nbytes, _mmap_mod.MADV_WILLNEED)
+        fd = open_readonly(self.path)
         try:
-            self.advise(offset, nbytes, MADV_POPULATE_READ)
-        except OSError:
-            self.advise(offset, nbytes, _mmap_mod.MADV_WILLNEED)
-            pages = self.array(offset, nbytes)[::PAGE_SIZE]
-            int(pages.sum())
+            scratch = bytearray(min(nbytes, 1 << 20))
+            done = 0
+            while done < nbytes:
+                view = memoryview(scratch)[: min(len(scratch), nbytes - done)]
+                pread_into(fd, view, offset + done, path=self.path)
+                done += len(view)
+        finally:
+            os.close(fd)
 
     def unmap_fragment(self, first: int, last: int) -> None:
         """Unmap the whole pages inside ``[first, last)`` (llama.cpp ``unmap_fragment``).

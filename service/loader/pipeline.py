@@ -90,18 +90,27 @@ class _Step:
     path: str
     offset: int
     nbytes: int
+    tensor: str
     dest: np.ndarray[Any, np.dtype[np.uint8]] | None = None
     mapping: Mapping | None = None
 
 
 class _Resources:
-    """What a load holds; released together on failure, cancellation or close."""
+    """What a load holds; released together on failure, cancellation or close.
+
+    The tensor views and read steps live here too, so that releasing drops every
+    reference to the buffers even while a traceback still holds the load's frames.
+    """
 
     def __init__(self) -> None:
         self.mappings: list[Mapping] = []
         self.buffers: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+        self.views: dict[str, np.ndarray[Any, Any]] = {}
+        self.steps: list[_Step] = []
 
     def release(self) -> None:
+        self.views.clear()
+        self.steps.clear()
         self.buffers.clear()
         for mapping in self.mappings:
             mapping.close()
@@ -113,12 +122,11 @@ def _tensor_view(raw: np.ndarray[Any, np.dtype[np.uint8]], weight: TensorWeight)
     return raw.view(numpy_dtype(info.ggml_type)).reshape(numpy_shape(info.ggml_type, info.ne))
 
 
-def _layout_mmap(
-    index: WeightIndex, res: _Resources
-) -> tuple[dict[str, np.ndarray[Any, Any]], list[BufferInfo], list[_Step]]:
-    views: dict[str, np.ndarray[Any, Any]] = {}
+def _layout_mmap(index: WeightIndex, res: _Resources) -> list[BufferInfo]:
+    """Map each file, fill ``res.views`` and ``res.steps``; return the buffers."""
+    views = res.views
+    steps = res.steps
     buffers: list[BufferInfo] = []
-    steps: list[_Step] = []
     for file_index, gguf_file in enumerate(index.files):
         weights = [w for w in index.weights.values() if w.file_index == file_index]
         if not weights:
@@ -129,27 +137,22 @@ def _layout_mmap(
             buffers.append(BufferInfo("CPU_Mapped", "CPU", end - start, mapped=True, host=True))
         for w in sorted(weights, key=lambda w: w.offset):
             views[w.name] = _tensor_view(mapping.array(w.offset, w.nbytes), w)
-            steps.append(_Step(gguf_file.path, w.offset, w.nbytes, mapping=mapping))
-    return views, buffers, steps
+            steps.append(_Step(gguf_file.path, w.offset, w.nbytes, w.name, mapping=mapping))
+    return buffers
 
 
-def _layout_none(
-    index: WeightIndex, res: _Resources
-) -> tuple[dict[str, np.ndarray[Any, Any]], list[BufferInfo], list[_Step]]:
+def _layout_none(index: WeightIndex, res: _Resources) -> list[BufferInfo]:
+    """Allocate one host buffer, fill ``res.views`` and ``res.steps``; return the buffers."""
     ordered = sorted(index.weights.values(), key=lambda w: (w.file_index, w.offset))
     total = sum(align_up(w.nbytes, TENSOR_ALIGNMENT) for w in ordered)
-    buffer = aligned_empty(total)
-    res.buffers.append(buffer)
-    views: dict[str, np.ndarray[Any, Any]] = {}
-    steps: list[_Step] = []
+    res.buffers.append(aligned_empty(total))
     pos = 0
     for w in ordered:
-        dest = buffer[pos : pos + w.nbytes]
-        views[w.name] = _tensor_view(dest, w)
-        steps.append(_Step(index.files[w.file_index].path, w.offset, w.nbytes, dest=dest))
+        dest = res.buffers[0][pos : pos + w.nbytes]
+        res.views[w.name] = _tensor_view(dest, w)
+        res.steps.append(_Step(index.files[w.file_index].path, w.offset, w.nbytes, w.name, dest=dest))
         pos += align_up(w.nbytes, TENSOR_ALIGNMENT)
-    buffers = [BufferInfo("CPU", "CPU", total, mapped=False, host=True)] if ordered else []
-    return views, buffers, steps
+    return [BufferInfo("CPU", "CPU", total, mapped=False, host=True)] if ordered else []
 
 
 def _run_steps(
@@ -174,7 +177,9 @@ def _run_steps(
                     fd = fds.get(step.path)
                     if fd is None:
                         fd = fds[step.path] = open_readonly(step.path)
-                    pread_into(fd, step.dest[done : done + n].data, step.offset + done, path=step.path)
+                    pread_into(
+                        fd, step.dest[done : done + n].data, step.offset + done, path=step.path, tensor=step.tensor
+                    )
                 done += n
                 report(n)
     finally:
@@ -219,9 +224,9 @@ async def load_model(
         )
     res = _Resources()
     try:
-        views, buffers, steps = (_layout_mmap if mode is LoadMode.MMAP else _layout_none)(index, res)
-        total = sum(s.nbytes for s in steps)
-        cancelled_by_callback = await _run_worker(steps, total, chunk_nbytes, on_progress)
+        buffers = (_layout_mmap if mode is LoadMode.MMAP else _layout_none)(index, res)
+        total = sum(s.nbytes for s in res.steps)
+        cancelled_by_callback = await _run_worker(res.steps, total, chunk_nbytes, on_progress)
         if cancelled_by_callback:
             raise LoadCancelledError("the load was cancelled by its progress callback", path=index.path)
         if mode is LoadMode.MMAP:
@@ -234,13 +239,14 @@ async def load_model(
                 nbytes=w.nbytes,
                 buffer_type="CPU_Mapped" if mode is LoadMode.MMAP else "CPU",
                 device="CPU",
-                data=views[name],
+                data=res.views[name],
             )
             for name, w in index.weights.items()
         }
     except BaseException:
         res.release()
         raise
+    res.steps.clear()
     return LoadedModel(index, mode.value, tensors, MemoryReport(tuple(buffers)), res.release)
 
 
@@ -297,9 +303,10 @@ async def _run_worker(steps: list[_Step], total: int, chunk_nbytes: int, on_prog
                 continue
             except BaseException:
                 break
-        thread.join()
         raise
-    thread.join()
+    finally:
+        # the worker has posted its result; it is at most returning now
+        thread.join()
     return bool(state["by_callback"])
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
+
+from gguf import GGUFValueType
 
 from service.loader.file_types import file_type_name
 from service.loader.gguf import GGUFArray
@@ -28,11 +31,30 @@ def size_text(nbytes: int, n_elements: int) -> str:
     return f"{nbytes / GiB:.2f} GiB ({bpw:.2f} BPW)"
 
 
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: such floats become the strings ``nan``, ``inf``, ``-inf``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
 def value_json(value: Any, *, max_items: int | None = None) -> Any:
     """A KV value as JSON data; arrays cut to ``max_items`` elements when given."""
     if isinstance(value, GGUFArray):
-        return value.to_list() if max_items is None else value.head(max_items)
-    return value
+        items = value.to_list() if max_items is None else value.head(max_items)
+        if value.element_type in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
+            return [_finite(v) for v in items]
+        return items
+    return _finite(value)
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (escape sequences, newlines) written as ``\\xNN``,
+    so that names and values from a file cannot drive the terminal."""
+    return text.translate(_CONTROL)
 
 
 def value_text(value: Any, *, max_items: int = 8) -> str:
@@ -40,9 +62,9 @@ def value_text(value: Any, *, max_items: int = 8) -> str:
     if isinstance(value, GGUFArray):
         head = ", ".join(repr(v) for v in value.head(max_items))
         more = f", ... ({value.count} items)" if value.count > max_items else ""
-        return f"[{head}{more}]"
+        return printable(f"[{head}{more}]")
     if isinstance(value, str):
-        return repr(value if len(value) <= 120 else value[:117] + "...")
+        return printable(repr(value if len(value) <= 120 else value[:117] + "..."))
     return str(value)
 
 
@@ -55,18 +77,18 @@ def summarize(index: WeightIndex, *, max_items: int | None = None) -> dict[str, 
     """
     meta = index.metadata
     file_type = meta.get("general.file_type")
+    if isinstance(file_type, bool) or not isinstance(file_type, int):
+        file_type = None
+    architecture = meta.get("general.architecture")
     types = Counter(w.info.ggml_type.name for w in index.weights.values())
     return {
         "path": index.path,
         "file_format": file_format(meta.version),
         "version": meta.version,
         "byte_order": meta.byte_order,
-        "architecture": meta.get("general.architecture"),
+        "architecture": architecture if isinstance(architecture, str) else None,
         "file_type": file_type,
-        "file_type_name": file_type_name(
-            file_type if isinstance(file_type, int) else None,
-            (w.info.ggml_type.name for w in index.weights.values()),
-        ),
+        "file_type_name": file_type_name(file_type, (w.info.ggml_type.name for w in index.weights.values())),
         "file_size_bytes": sum(f.file_size for f in index.files),
         "n_tensors": len(index),
         "n_elements": index.n_elements,

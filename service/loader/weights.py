@@ -9,8 +9,12 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from service.errors import TensorBoundsError
+from service.errors import SplitError, TensorBoundsError
 from service.loader.gguf import GGUFFile, TensorInfo, read_gguf
+
+KEY_SPLIT_NO = "split.no"
+KEY_SPLIT_COUNT = "split.count"
+KEY_SPLIT_TENSORS_COUNT = "split.tensors.count"
 
 _LAYER = re.compile(r"blk\.[ \t\n\r\f\v]*([+-]?\d+)\.")
 
@@ -60,10 +64,24 @@ class WeightIndex:
     """
 
     def __init__(self, files: list[GGUFFile]) -> None:
+        """Index the tensors of ``files`` (the splits of one model, first split first).
+
+        Raises:
+            TensorBoundsError: a tensor's data lies outside its file.
+            SplitError: a tensor appears in two files.
+        """
         self.files = files
         found: dict[str, TensorWeight] = {}
         for file_index, gguf_file in enumerate(files):
             for info in gguf_file.tensors:
+                seen = found.get(info.name)
+                if seen is not None:
+                    raise SplitError(
+                        f"tensor '{info.name}' is duplicated: it is also in {files[seen.file_index].path}",
+                        path=gguf_file.path,
+                        tensor=info.name,
+                        offset=info.info_offset,
+                    )
                 found[info.name] = _weight(gguf_file, file_index, info)
         self.weights = {name: found[name] for name in sorted(found, key=load_order_key)}
 
@@ -120,17 +138,123 @@ def _weight(gguf_file: GGUFFile, file_index: int, info: TensorInfo) -> TensorWei
     return TensorWeight(info.name, file_index, offset, info.nbytes, info)
 
 
-def open_model(path: str | os.PathLike[str]) -> WeightIndex:
-    """Parse the GGUF model at ``path`` and index its tensors.
+_SPLIT_SUFFIX = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_path(prefix: str, split_no: int, split_count: int) -> str:
+    """The path of split ``split_no`` (0-based) of ``split_count``: llama.cpp's
+    ``llama_split_path``, ``PREFIX-%05d-of-%05d.gguf`` numbered from 1."""
+    return f"{prefix}-{split_no + 1:05d}-of-{split_count:05d}.gguf"
+
+
+def split_prefix(path: str, split_no: int, split_count: int) -> str | None:
+    """The prefix of ``path`` if it is named as split ``split_no`` of ``split_count``
+    (llama.cpp's ``llama_split_prefix``), else None."""
+    suffix = f"-{split_no + 1:05d}-of-{split_count:05d}.gguf"
+    if len(path) <= len(suffix) or not path.endswith(suffix):
+        return None
+    return path[: -len(suffix)]
+
+
+def _split_int(gguf_file: GGUFFile, key: str) -> int | None:
+    entry = gguf_file.kv.get(key)
+    if entry is None:
+        return None
+    if isinstance(entry.value, bool) or not isinstance(entry.value, int):
+        raise SplitError(
+            f"'{key}' has type {entry.type_name}, expected an integer",
+            path=gguf_file.path,
+            key=key,
+            offset=entry.offset,
+        )
+    return entry.value
+
+
+def _required_split_int(gguf_file: GGUFFile, key: str) -> int:
+    value = _split_int(gguf_file, key)
+    if value is None:
+        raise SplitError(f"'{key}' is missing from a split file", path=gguf_file.path, key=key)
+    return value
+
+
+def _inside(root: str, path: str) -> bool:
+    real = os.path.realpath(path)
+    return os.path.commonpath([root, real]) == root
+
+
+def open_model(path: str | os.PathLike[str], *, root: str | None = None) -> WeightIndex:
+    """Parse the GGUF model at ``path`` (a single file, or the first split of a split
+    model) and index its tensors.
+
+    Splits (llama.cpp's ``llama_model_loader``): when ``split.count`` > 1, ``path`` must be
+    the first split (``split.no`` = 0); its siblings ``PREFIX-%05d-of-%05d.gguf`` are read
+    from the same directory, each with its own data offset, and must carry the matching
+    ``split.no``; the tensors found in all splits must number ``split.tensors.count``.
 
     Args:
-        path: the model file.
+        path: the model file, or its first split.
+        root: when given, every split must resolve inside this directory; siblings are
+            checked before they are opened.
 
     Returns:
         The :class:`WeightIndex`.
 
     Raises:
-        StorageError: the file cannot be opened or read.
-        FormatError: the file is not valid GGUF, or a tensor's data lies outside it.
+        StorageError: a file cannot be opened or read.
+        FormatError: a file is not valid GGUF, or a tensor's data lies outside its file.
+        SplitError: not the first split, a sibling missing, misnumbered, outside ``root``
+            or of another byte order, a tensor in two splits, or a tensor count other than
+            ``split.tensors.count``.
     """
-    return WeightIndex([read_gguf(path)])
+    name = os.fspath(path)
+    first = read_gguf(name)
+    n_split = _split_int(first, KEY_SPLIT_COUNT) or 0
+    if n_split <= 1:
+        return WeightIndex([first])
+    split_no = _required_split_int(first, KEY_SPLIT_NO)
+    prefix = split_prefix(name, split_no, n_split)
+    if split_no != 0:
+        where = f": load {split_path(prefix, 0, n_split)} instead" if prefix is not None else ""
+        raise SplitError(
+            f"this file is split {split_no + 1} of {n_split} (split.no = {split_no}); a split model "
+            f"must be loaded from its first split{where}",
+            path=name,
+            key=KEY_SPLIT_NO,
+        )
+    if prefix is None:
+        raise SplitError(
+            f"the first of {n_split} splits must be named PREFIX-00001-of-{n_split:05d}.gguf "
+            "so that its siblings can be found",
+            path=name,
+        )
+    files = [first]
+    real_root = os.path.realpath(root) if root is not None else None
+    for i in range(1, n_split):
+        sibling = split_path(prefix, i, n_split)
+        if not os.path.lexists(sibling):
+            raise SplitError(f"split {i + 1} of {n_split} is missing: {sibling} does not exist", path=name)
+        if real_root is not None and not _inside(real_root, sibling):
+            raise SplitError(f"split {i + 1} of {n_split} leaves the models directory", path=sibling)
+        gguf_file = read_gguf(sibling)
+        found_no = _required_split_int(gguf_file, KEY_SPLIT_NO)
+        if found_no != i:
+            raise SplitError(
+                f"split.no is {found_no}, expected {i} for split {i + 1} of {n_split}",
+                path=sibling,
+                key=KEY_SPLIT_NO,
+            )
+        if gguf_file.byte_order != first.byte_order:
+            raise SplitError(
+                f"split {i + 1} is {gguf_file.byte_order}-endian but the first split is {first.byte_order}-endian",
+                path=sibling,
+            )
+        files.append(gguf_file)
+    index = WeightIndex(files)
+    expected = _required_split_int(first, KEY_SPLIT_TENSORS_COUNT)
+    if expected != len(index):
+        raise SplitError(
+            f"corrupted model: split.tensors.count is {expected} but the {n_split} splits hold {len(index)} tensors",
+            path=name,
+            key=KEY_SPLIT_TENSORS_COUNT,
+        )
+    return index

@@ -187,3 +187,46 @@ def test_symlink_out_of_the_models_dir_is_refused(live_server: str, models_dir: 
     with httpx.Client(base_url=live_server) as client:
         resp = client.post("/v1/loads", json={"model": "link.gguf"})
         assert resp.status_code == 400 and "leaves the models directory" in resp.json()["detail"]
+
+
+def test_split_model_over_http(live_server: str, models_dir: Path, all_types_fixture: Fixture) -> None:
+    from tests.helpers import split_gguf
+
+    paths = split_gguf(all_types_fixture.path, models_dir / "m", [2, 2, 3])
+    with httpx.Client(base_url=live_server) as client:
+        resp = client.post("/v1/loads", json={"model": paths[0].name, "load_mode": "none"})
+        assert resp.status_code == 202, resp.text
+        done = wait_for(client, resp.headers["location"], {"succeeded", "failed"})
+        assert done["state"] == "succeeded" and done["n_tensors"] == 7
+        resp = client.post("/v1/loads", json={"model": paths[1].name})
+        assert resp.status_code == 422 and "first split" in resp.json()["detail"]
+        assert resp.json()["code"] == "invalid_split"
+
+
+@pytest.mark.parametrize(
+    ("raw_json", "status"),
+    [
+        ('{"model": "bad\\udcff.gguf"}', 400),  # a lone surrogate: not a UTF-8 file name
+        ('{"model": "\\ud800"}', 400),
+        ('{"model": "x.gguf/"}', 400),
+        ('{"model": ""}', 400),
+        ('{"model": "x.gguf"', 422),  # malformed JSON
+    ],
+)
+def test_unusable_paths_are_4xx(live_server: str, models_dir: Path, raw_json: str, status: int) -> None:
+    (models_dir / "x.gguf").write_bytes(b"GGUF")
+    with httpx.Client(base_url=live_server) as client:
+        resp = client.post("/v1/loads", content=raw_json, headers={"content-type": "application/json"})
+        assert resp.status_code == status, resp.text
+        assert resp.headers["content-type"].startswith("application/problem+json")
+        for path in ("/v1/loads", "/v1/models", "/v1/devices", "/healthz"):
+            assert client.get(path).status_code == 200
+
+
+def test_errors_do_not_reveal_the_models_dir(live_server: str, models_dir: Path, all_types_fixture: Fixture) -> None:
+    (models_dir / "cut.gguf").write_bytes(all_types_fixture.path.read_bytes()[:-1])
+    with httpx.Client(base_url=live_server) as client:
+        resp = client.post("/v1/loads", json={"model": "cut.gguf"})
+        assert resp.status_code == 422
+        assert str(models_dir) not in resp.text and str(models_dir.resolve()) not in resp.text
+        assert resp.json()["detail"].startswith("cut.gguf: ")

@@ -147,7 +147,7 @@ def test_truncated_header(tmp_path: Path) -> None:
     data = _base(tmp_path)
     # cut inside the first KV pair: the declared counts no longer fit
     p = _write(tmp_path, data[:30])
-    with pytest.raises(TruncatedError, match="cannot fit") as info:
+    with pytest.raises(TruncatedError, match="cannot fit in a file of 30 bytes") as info:
         read_gguf(p)
     assert info.value.path == str(p)
     # cut inside the tensor info of t0, after its name
@@ -200,3 +200,147 @@ def test_tensor_info_errors_name_the_tensor(tmp_path: Path) -> None:
         read_gguf(_write(tmp_path, bytes(raw)))
     assert exc.value.tensor == "blk.10.attn_q.weight" and "n_dims 5" in str(exc.value)
     assert exc.value.offset == n_dims_at
+
+
+# -- hand-made hostile inputs -------------------------------------------------------------
+
+from tests.helpers import gguf_kv, gguf_string, gguf_tensor_info, raw_gguf  # noqa: E402
+
+F32 = 0
+
+
+def _f32_info(name: str | bytes = "t", ne: list[int] | None = None, offset: int = 0) -> bytes:
+    return gguf_tensor_info(name, ne or [8], F32, offset)
+
+
+def test_invalid_utf8_key_is_refused(tmp_path: Path) -> None:
+    p = _write(tmp_path, raw_gguf([gguf_kv(b"bad\xff", V.UINT8, b"\x01")], []))
+    with pytest.raises(MetadataError, match="not valid UTF-8") as info:
+        read_gguf(p)
+    assert info.value.offset == 24
+
+
+def test_invalid_utf8_string_values_are_replaced_and_kept(tmp_path: Path) -> None:
+    arr = struct.pack("<IQ", V.STRING, 2) + gguf_string(b"ok") + gguf_string(b"\xc3(")
+    p = _write(tmp_path, raw_gguf([gguf_kv("s", V.STRING, gguf_string(b"a\xffb")), gguf_kv("a", V.ARRAY, arr)], []))
+    f = read_gguf(p)
+    assert f.get("s") == "a\ufffdb"
+    assert f.get("a").strings() == ["ok", "\ufffd("]
+    assert f.get("a").string_bytes() == [b"ok", b"\xc3("]
+
+
+def test_invalid_utf8_tensor_name_is_refused(tmp_path: Path) -> None:
+    p = _write(tmp_path, raw_gguf([], [_f32_info(b"t\xfe")], b"\0" * 32))
+    with pytest.raises(TensorInfoError, match="not valid UTF-8"):
+        read_gguf(p)
+
+
+def test_empty_arrays_and_strings(tmp_path: Path) -> None:
+    kvs = [
+        gguf_kv("e", V.ARRAY, struct.pack("<IQ", V.INT32, 0)),
+        gguf_kv("es", V.ARRAY, struct.pack("<IQ", V.STRING, 0)),
+        gguf_kv("s", V.STRING, gguf_string("")),
+    ]
+    f = read_gguf(_write(tmp_path, raw_gguf(kvs, [])))
+    assert f.get("e").to_list() == [] and f.get("es").to_list() == [] and f.get("s") == ""
+    assert f.tensors == [] and f.data_offset == len(raw_gguf(kvs, []))
+
+
+@pytest.mark.parametrize(
+    ("info", "error", "phrase"),
+    [
+        (_f32_info(""), TensorInfoError, "empty name"),
+        (_f32_info("x" * 64), TensorInfoError, "64 bytes long, at most 63"),
+        (_f32_info("t", [8, -1]), TensorInfoError, "dimension 1 is -1"),
+        (_f32_info("t", [2**62, 2**62]), TensorInfoError, "element count overflows"),
+        (gguf_tensor_info("t", [8], 4, 0), TensorInfoError, "unknown ggml type 4"),
+        (gguf_tensor_info("t", [8], -1, 0), TensorInfoError, "unknown ggml type -1"),
+        (_f32_info("t", [8], 32), TensorInfoError, "offset 32, expected 0"),
+        (gguf_tensor_info("t", [], F32, 0), TensorInfoError, "n_dims 0"),
+    ],
+)
+def test_bad_tensor_infos(tmp_path: Path, info: bytes, error: type, phrase: str) -> None:
+    p = _write(tmp_path, raw_gguf([], [info], b"\0" * 64))
+    with pytest.raises(error, match=phrase):
+        read_gguf(p)
+
+
+def test_max_name_length_is_accepted(tmp_path: Path) -> None:
+    p = _write(tmp_path, raw_gguf([], [_f32_info("x" * 63)], b"\0" * 32))
+    assert read_gguf(p).tensors[0].name == "x" * 63
+
+
+def test_huge_counts_are_refused_before_parsing(tmp_path: Path) -> None:
+    data = bytearray(raw_gguf([gguf_kv("k", V.UINT8, b"\x01")], []))
+    struct.pack_into("<Q", data, 16, 2**63)
+    with pytest.raises(TruncatedError, match="declares 9223372036854775808 KV pairs"):
+        read_gguf(_write(tmp_path, bytes(data)))
+    data = bytearray(raw_gguf([], [_f32_info()], b"\0" * 32))
+    struct.pack_into("<Q", data, 8, 2**64 - 1)
+    with pytest.raises(TruncatedError, match="tensor infos"):
+        read_gguf(_write(tmp_path, bytes(data)))
+
+
+@pytest.mark.parametrize(
+    ("payload", "phrase"),
+    [
+        (struct.pack("<IQ", V.INT64, 2**29), "declares 536870912 INT64 elements"),
+        (struct.pack("<IQ", V.STRING, 2**29), "declares 536870912 strings"),
+        (struct.pack("<IQ", V.INT64, 2**61), "more than the limit"),
+        (struct.pack("<IQ", V.UINT8, 2**31), "more than the limit"),
+        (struct.pack("<IQ", 99, 1) + b"\0", "invalid value type 99"),
+        (struct.pack("<IQ", V.STRING, 2) + gguf_string("a") + struct.pack("<Q", 2**50), "string 1 of key 'k'"),
+    ],
+    ids=["int64-count", "string-count", "over-limit", "u8-over-limit", "bad-element-type", "string-length"],
+)
+def test_bad_arrays(tmp_path: Path, payload: bytes, phrase: str) -> None:
+    with pytest.raises(FormatError, match=phrase):
+        read_gguf(_write(tmp_path, raw_gguf([gguf_kv("k", V.ARRAY, payload)], [])))
+
+
+def test_not_a_regular_file(tmp_path: Path) -> None:
+    from service.errors import StorageError
+
+    with pytest.raises(StorageError, match="not a regular file"):
+        read_gguf(tmp_path)
+    with pytest.raises(StorageError, match="No such file"):
+        read_gguf(tmp_path / "missing.gguf")
+
+
+def test_zero_element_tensor_with_huge_dimensions(tmp_path: Path) -> None:
+    p = _write(tmp_path, raw_gguf([], [_f32_info("t0", [8, 0, 2**62, 2**62])], b"\0" * 32))
+    with pytest.raises(TensorInfoError, match="overflows 63 bits") as info:
+        read_gguf(p)
+    assert info.value.tensor == "t0"
+    p = _write(tmp_path, raw_gguf([], [_f32_info("t0", [2**61, 0])], b"\0" * 32))
+    with pytest.raises(TensorInfoError, match="overflows 63 bits"):
+        read_gguf(p)
+
+
+def test_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    from service.errors import StorageError
+
+    fifo = tmp_path / "f.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(StorageError, match="not a regular file"):
+        read_gguf(fifo)
+
+
+def test_file_shrinking_while_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from service.loader.gguf import reader
+
+    arr = struct.pack("<IQ", V.STRING, 3) + gguf_string("a") + gguf_string("b") + gguf_string("c")
+    p = _write(tmp_path, raw_gguf([gguf_kv("k", V.ARRAY, arr)], []))
+    real_pread = os.pread
+
+    def shrinking_pread(fd: int, n: int, offset: int) -> bytes:
+        return real_pread(fd, min(n, 30), offset) if offset < 30 else b""
+
+    monkeypatch.setattr(reader.os, "pread", shrinking_pread)
+    monkeypatch.setattr(reader, "_FIRST_READ", 8)
+    with pytest.raises(TruncatedError, match="did it shrink"):
+        read_gguf(p)

@@ -161,3 +161,67 @@ async def test_big_endian_data_is_refused(tmp_path: Path) -> None:
 async def test_unknown_load_mode(all_types_fixture: Fixture) -> None:
     with pytest.raises(RequestError, match="unknown load mode 'fast'"):
         await load_model(open_model(all_types_fixture.path), load_mode="fast")
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_every_chunk_size_gives_the_same_bytes(aligned_fixture: Fixture, mode: str) -> None:
+    index = open_model(aligned_fixture.path)
+    with await load_model(index, load_mode=mode) as whole:
+        expected = {name: t.data.tobytes() for name, t in whole.tensors.items()}
+    for chunk in [1, 3, 7, 31, 32, 33, 100, 1000, 4096]:
+        with await load_model(index, load_mode=mode, chunk_nbytes=chunk) as model:
+            assert {name: t.data.tobytes() for name, t in model.tensors.items()} == expected, chunk
+
+
+async def test_short_reads_are_retried(aligned_fixture: Fixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    real = os.preadv
+    calls = 0
+
+    def short_preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        nonlocal calls
+        calls += 1
+        view = memoryview(buffers[0])[:5]  # never more than 5 bytes at a time
+        return real(fd, [view], offset)
+
+    index = open_model(aligned_fixture.path)
+    with await load_model(index, load_mode="mmap") as ref:
+        expected = {name: t.data.tobytes() for name, t in ref.tensors.items()}
+    monkeypatch.setattr(os, "preadv", short_preadv)
+    with await load_model(index, load_mode="none") as model:
+        assert {name: t.data.tobytes() for name, t in model.tensors.items()} == expected
+    assert calls >= index.nbytes // 5
+
+
+async def test_file_shrinking_during_load_is_a_clear_error(tmp_path: Path, aligned_fixture: Fixture) -> None:
+    from service.errors import StorageError
+
+    path = tmp_path / "shrinks.gguf"
+    path.write_bytes(aligned_fixture.path.read_bytes())
+    index = open_model(path)
+    with open(path, "r+b") as f:
+        f.truncate(index.files[0].data_offset + 10)
+    with pytest.raises(StorageError, match="unexpected end of file"):
+        await load_model(index, load_mode="none")
+    assert fds_on(path) == 0 and load_threads() == 0
+
+
+async def test_file_shrinking_under_a_mapping_is_a_clear_error(tmp_path: Path) -> None:
+    from service.errors import StorageError
+
+    rng = np.random.default_rng(9)
+    tensors = {
+        f"blk.{i}.w": (rng.standard_normal(1 << 16).astype(np.float32), gguf.GGMLQuantizationType.F32) for i in range(4)
+    }
+    path = write_fixture(tmp_path / "shrinks.gguf", tensors=tensors).path
+    index = open_model(path)
+
+    def shrink_once(p: Progress) -> None:
+        if 0 < p.bytes_done < p.bytes_total and path.stat().st_size > 8192:
+            with open(path, "r+b") as f:
+                f.truncate(8192)
+
+    with pytest.raises(StorageError, match="did the file shrink"):
+        await load_model(index, load_mode="mmap", on_progress=shrink_once, chunk_nbytes=1 << 16)
+    assert mappings_of(path) == 0

@@ -19,9 +19,7 @@ element type, a u64 count and the elements.
 
 from __future__ import annotations
 
-import mmap
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +36,7 @@ from service.errors import (
     UnsupportedVersionError,
 )
 from service.io.align import align_up
+from service.io.file import open_readonly
 from service.loader.ggml_types import GGML_TYPES, GGMLType
 from service.loader.gguf.constants import (
     DEFAULT_ALIGNMENT,
@@ -176,29 +175,16 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
             file, the key or tensor, and the byte offset.
     """
     name = os.fspath(path)
+    fd = open_readonly(name)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise StorageError(f"cannot open: {exc.strerror}", path=name) from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise StorageError("not a regular file", path=name)
-        size = st.st_size
+        size = os.fstat(fd).st_size
         if size < HEADER_NBYTES:
             _check_magic(os.pread(fd, 32, 0), name)
             raise NotGGUFError(
                 f"file too small to be GGUF: {size} bytes, a GGUF header has {HEADER_NBYTES}",
                 path=name,
             )
-        try:
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        except OSError as exc:
-            raise StorageError(f"cannot map the file to read its header: {exc.strerror}", path=name) from exc
-        try:
-            return _Parser(mm, size, name).parse()
-        finally:
-            mm.close()
+        return _Parser(fd, size, name).parse()
     finally:
         os.close(fd)
 
@@ -224,18 +210,50 @@ def _check_magic(head: bytes, path: str) -> None:
     raise NotGGUFError(f"not a GGUF file: magic is '{shown}', expected 'GGUF'", path=path, offset=0, hint=hint)
 
 
-class _Parser:
-    """A bounded cursor over a mapping of the whole file."""
+_FIRST_READ = 1 << 20
 
-    def __init__(self, mm: mmap.mmap, size: int, path: str) -> None:
-        self.mm = mm
+
+class _Parser:
+    """A bounded cursor over the head of a file.
+
+    The bytes are read with ``pread`` into a buffer that grows (doubling, never past the
+    file's size) as the cursor advances: the header is never mapped, so a file that
+    shrinks while it is parsed gives an error rather than SIGBUS, and memory stays within
+    twice the header's size.
+    """
+
+    def __init__(self, fd: int, size: int, path: str) -> None:
+        self.fd = fd
         self.size = size
         self.path = path
+        self.data = bytearray()
         self.pos = 0
         self.endian = "<"
         self._structs: dict[str, struct.Struct] = {}
 
     # -- primitives ---------------------------------------------------------------------
+
+    def _fill(self, end: int) -> None:
+        """Make ``self.data`` hold at least bytes ``[0, end)`` (``end`` <= size)."""
+        have = len(self.data)
+        if end <= have:
+            return
+        want = min(self.size, max(end, 2 * have, _FIRST_READ))
+        while have < want:
+            try:
+                chunk = os.pread(self.fd, want - have, have)
+            except OSError as exc:
+                raise StorageError(f"read failed: {exc.strerror}", path=self.path, offset=have) from exc
+            if not chunk:
+                if have >= end:
+                    return
+                raise TruncatedError(
+                    f"the file ended at byte {have} while being read; it was {self.size} bytes (did it shrink?)",
+                    path=self.path,
+                    offset=have,
+                )
+            self.data += chunk
+            have += len(chunk)
 
     def _need(self, n: int, what: str) -> None:
         if self.pos + n > self.size:
@@ -245,6 +263,7 @@ class _Parser:
                 path=self.path,
                 offset=self.pos,
             )
+        self._fill(self.pos + n)
 
     def _scalar(self, fmt: str, nbytes: int, what: str) -> Any:
         self._need(nbytes, what)
@@ -252,7 +271,7 @@ class _Parser:
         st = self._structs.get(code)
         if st is None:
             st = self._structs[code] = struct.Struct(code)
-        (value,) = st.unpack_from(self.mm, self.pos)
+        (value,) = st.unpack_from(self.data, self.pos)
         self.pos += nbytes
         return value
 
@@ -268,32 +287,37 @@ class _Parser:
     def i64(self, what: str) -> int:
         return int(self._scalar("q", 8, what))
 
-    def raw_string(self, what: str, *, key: str | None = None) -> bytes:
+    def raw_string(self, what: str, *, key: str | None = None, limit: int = MAX_STRING_BYTES) -> bytes:
+        """A length-prefixed string's bytes; the length is checked against the bytes that
+        remain and against ``limit`` before anything is read."""
         start = self.pos
         length = self.u64(f"the length of {what}")
-        if length > MAX_STRING_BYTES:
-            raise MetadataError(
-                f"length of {what} is {length} bytes, more than the limit of {MAX_STRING_BYTES}",
-                path=self.path,
-                offset=start,
-                key=key,
-            )
         remain = self.size - self.pos
         if length > remain:
             raise TruncatedError(
-                f"length of {what} is {length} bytes, but only {remain} bytes remain in the file",
+                f"the length of {what} is {length} bytes, which exceeds the {remain} bytes that remain",
                 path=self.path,
                 offset=start,
                 key=key,
             )
-        data = self.mm[self.pos : self.pos + length]
+        if length > limit:
+            error = TensorInfoError if limit < MAX_STRING_BYTES else MetadataError
+            raise error(
+                f"{what} is {length} bytes long, at most {limit} are allowed",
+                path=self.path,
+                offset=start,
+                key=key,
+            )
+        self._fill(self.pos + length)
+        data = bytes(self.data[self.pos : self.pos + length])
         self.pos += length
         return data
 
     # -- structure ----------------------------------------------------------------------
 
     def parse(self) -> GGUFFile:
-        _check_magic(self.mm[:32], self.path)
+        self._fill(min(32, self.size))
+        _check_magic(bytes(self.data[:32]), self.path)
         self.pos = 4
         version = self.u32("the version")
         if version == 0:
@@ -332,19 +356,20 @@ class _Parser:
             )
         n_tensors = self.u64("the tensor count")
         n_kv = self.u64("the KV count")
-        remain = self.size - self.pos
-        if n_kv > remain // MIN_KV_NBYTES:
-            raise TruncatedError(
-                f"the KV count {n_kv} cannot fit in the {remain} bytes that remain",
-                path=self.path,
-                offset=16,
-            )
-        if n_tensors > (remain - n_kv * MIN_KV_NBYTES) // MIN_TENSOR_INFO_NBYTES:
-            raise TruncatedError(
-                f"the tensor count {n_tensors} cannot fit in the {remain} bytes that remain",
-                path=self.path,
-                offset=8,
-            )
+        # A count that could not fit even in the whole file is corrupt: say so at once.
+        # Otherwise parsing runs into the end of the file by itself (each item consumes
+        # bytes, so the loops are bounded by the file size) and names where it stopped.
+        for count, min_nbytes, what, at in (
+            (n_kv, MIN_KV_NBYTES, "KV pairs", 16),
+            (n_tensors, MIN_TENSOR_INFO_NBYTES, "tensor infos", 8),
+        ):
+            if HEADER_NBYTES + count * min_nbytes > self.size:
+                raise TruncatedError(
+                    f"the header declares {count} {what}, which cannot fit in a file of {self.size} bytes"
+                    " (truncated or corrupt)",
+                    path=self.path,
+                    offset=at,
+                )
 
         kv: dict[str, KVEntry] = {}
         for i in range(n_kv):
@@ -487,25 +512,30 @@ class _Parser:
                     offset=count_offset,
                 )
             end = start + nbytes
+        self._fill(end)
         self.pos = end
-        return GGUFArray(etype, count, self.mm[start:end], self.endian)
+        return GGUFArray(etype, count, bytes(self.data[start:end]), self.endian)
 
     def _skip_strings(self, key: str, count: int) -> int:
         """Walk ``count`` strings from the cursor without decoding them; return the end."""
-        mm = self.mm
+        data = self.data
         size = self.size
         last = size - 8
         unpack = struct.Struct(self.endian + "Q").unpack_from
         pos = self.pos
+        have = len(data) - 8
         for i in range(count):
-            if pos > last:
-                raise TruncatedError(
-                    f"unexpected end of file inside string {i} of key '{key}'",
-                    path=self.path,
-                    key=key,
-                    offset=pos,
-                )
-            (length,) = unpack(mm, pos)
+            if pos > have:
+                if pos > last:
+                    raise TruncatedError(
+                        f"unexpected end of file inside string {i} of key '{key}'",
+                        path=self.path,
+                        key=key,
+                        offset=pos,
+                    )
+                self._fill(pos + 8)
+                have = len(data) - 8
+            (length,) = unpack(data, pos)
             if length > MAX_STRING_BYTES:
                 raise MetadataError(
                     f"string {i} of key '{key}' is {length} bytes, more than the limit of {MAX_STRING_BYTES}",
@@ -525,14 +555,7 @@ class _Parser:
 
     def _tensor_info(self, index: int, seen: dict[str, TensorInfo]) -> TensorInfo:
         start = self.pos
-        raw = self.raw_string(f"the name of tensor {index}")
-        if len(raw) > MAX_NAME_BYTES:
-            raise TensorInfoError(
-                f"the name of tensor {index} is {len(raw)} bytes long, at most {MAX_NAME_BYTES} are allowed"
-                f" ({raw[:MAX_NAME_BYTES]!r}...)",
-                path=self.path,
-                offset=start,
-            )
+        raw = self.raw_string(f"the name of tensor {index}", limit=MAX_NAME_BYTES)
         if not raw:
             raise TensorInfoError(f"tensor {index} has an empty name", path=self.path, offset=start)
         try:
@@ -598,9 +621,11 @@ class _Parser:
                 offset=dims_offset,
             )
         nbytes = ggml_type.nbytes(tuple(ne))
-        if nbytes >= 1 << 64:
+        # the layout (strides) of the tensor must be representable even when a dimension
+        # is 0, so the size with zero dimensions counted as 1 must fit in 63 bits
+        if ggml_type.nbytes(tuple(max(d, 1) for d in ne)) > INT64_MAX:
             raise TensorInfoError(
-                f"tensor '{name}' has shape {tuple(ne)}: its size in bytes overflows 64 bits",
+                f"tensor '{name}' has shape {tuple(ne)}: its size in bytes overflows 63 bits",
                 path=self.path,
                 tensor=name,
                 offset=dims_offset,

@@ -1,0 +1,81 @@
+"""The job manager: state machine, cancellation frees memory, bounded history."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from service.api.jobs import JobManager, JobState, LoadJob
+from service.loader import pipeline
+from service.loader.pipeline import LoadMode
+from tests.helpers import write_fixture
+
+
+def test_state_machine_refuses_illegal_moves() -> None:
+    job = LoadJob(id="lj_x", model="m", path="/m", load_mode=LoadMode.MMAP, n_tensors=1, bytes_total=1)
+    with pytest.raises(RuntimeError, match="expected a move to cancelled, running, got succeeded"):
+        job.transition(JobState.SUCCEEDED)
+    job.transition(JobState.RUNNING)
+    job.transition(JobState.FAILED)
+    with pytest.raises(RuntimeError, match="nothing"):
+        job.transition(JobState.RUNNING)
+
+
+async def test_a_cancelled_load_frees_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    f32 = gguf.GGMLQuantizationType.F32
+    write_fixture(models / "big.gguf", tensors={"w": (np.ones(8 << 20, dtype=np.float32), f32)})  # 32 MiB
+    inside = threading.Event()
+    real = pipeline._run_steps
+
+    def gated(steps: Any, chunk: int, cancel: threading.Event, report: Any) -> None:
+        real(steps[:0], chunk, cancel, report)
+        inside.set()
+        cancel.wait(30)
+
+    monkeypatch.setattr(pipeline, "_run_steps", gated)
+    jobs = JobManager(str(models))
+    tracemalloc.start()
+    try:
+        job = await jobs.submit("big.gguf", LoadMode.NONE)
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        held = tracemalloc.get_traced_memory()[0]
+        assert held > 30 << 20  # the 32 MiB buffer is allocated
+        jobs.cancel(job.id)
+        while not job.state.terminal:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
+        gc.collect()
+        assert job.state is JobState.CANCELLED and job.task is None
+        assert tracemalloc.get_traced_memory()[0] < 8 << 20
+    finally:
+        tracemalloc.stop()
+        await jobs.close()
+
+
+async def test_job_history_is_bounded(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    write_fixture(models / "m.gguf", tensors={"w": (np.ones(8, dtype=np.float32), gguf.GGMLQuantizationType.F32)})
+    jobs = JobManager(str(models), job_history=3)
+    try:
+        for _ in range(6):
+            job = await jobs.submit("m.gguf", LoadMode.MMAP)
+            while not job.state.terminal:
+                await asyncio.sleep(0.01)
+            jobs.unload(job.id)
+        # the newest submission is kept even while the older ended ones are pruned
+        assert len(jobs.jobs) <= 4
+        assert job.id in jobs.jobs
+    finally:
+        await jobs.close()
