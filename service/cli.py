@@ -26,8 +26,12 @@ from rich.text import Text
 from service import __version__
 from service.errors import HoistError
 from service.loader import pipeline
+from service.loader.devices import Device, discover_devices
+from service.loader.placement import LoadMode, PlacementParams, Plan, make_params, plan
 from service.loader.summary import printable, summarize, value_text
 from service.loader.weights import open_model
+
+MiB = 1 << 20
 
 out = Console(highlight=False, soft_wrap=True, markup=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -71,7 +75,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if len(info["splits"]) > 1:
         out.print(f"splits      = {len(info['splits'])}")
         for s in info["splits"]:
-            out.print(f"  {s['index']}: {printable(s['path'])} ({s['n_tensors']} tensors)")
+            out.print(f"  {s['index'] + 1}: {printable(s['path'])} ({s['n_tensors']} tensors)")
     kv = Table(title=f"KV metadata: {len(info['metadata'])}", title_justify="left")
     for col in ("key", "type", "value"):
         kv.add_column(col, overflow="fold")
@@ -82,17 +86,94 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for col, justify in (("name", "left"), ("type", "left"), ("ne", "left"), ("bytes", "right"), ("offset", "right")):
         tensors.add_column(col, justify=justify)  # type: ignore[arg-type]
     for t in info["tensors"]:
-        where = f"{t['split']}:{t['offset']}" if len(info["splits"]) > 1 else str(t["offset"])
+        where = f"{t['split'] + 1}:{t['offset']}" if len(info["splits"]) > 1 else str(t["offset"])
         tensors.add_row(Text(printable(t["name"])), t["type"], str(tuple(t["ne"])), str(t["bytes"]), where)
     out.print(tensors)
     return 0
 
 
-# -- load ---------------------------------------------------------------------------------
+# -- devices, plan, load -----------------------------------------------------------------
+
+
+def _devices(args: argparse.Namespace) -> list[Device]:
+    return discover_devices(args.emulated_devices, cuda=not args.no_cuda)
+
+
+def _params(args: argparse.Namespace, devices: list[Device]) -> PlacementParams:
+    return make_params(
+        [d.default_buffer_type.name for d in devices],
+        n_gpu_layers=args.n_gpu_layers,
+        split_mode=args.split_mode,
+        main_gpu=args.main_gpu,
+        tensor_split=args.tensor_split,
+        override_tensor=args.override_tensor or [],
+        no_host=args.no_host,
+        load_mode=args.load_mode,
+    )
+
+
+def _layer_ranges(layers: dict[str, str]) -> str:
+    """``input CPU; blk.0-8 CPU; blk.9-13 EMU0; output EMU1``."""
+    parts: list[str] = [f"input {layers['input']}"]
+    blocks = [(int(k[4:]), v) for k, v in layers.items() if k.startswith("blk.")]
+    start = 0
+    for i, (n, dev) in enumerate(blocks):
+        if i + 1 == len(blocks) or blocks[i + 1][1] != dev:
+            first = blocks[start][0]
+            parts.append(f"blk.{first} {dev}" if first == n else f"blk.{first}-{n} {dev}")
+            start = i + 1
+    parts.append(f"output {layers['output']}")
+    return "; ".join(parts)
+
+
+def _print_plan(p: Plan, *, verbose: bool = False) -> None:
+    devices = ", ".join(p.devices) or "none (CPU only)"
+    err.print(f"devices: {devices}; load mode: {'mmap' if p.use_mmap else 'read'}")
+    err.print(f"layers: {_layer_ranges(p.layers)}")
+    for w in p.warnings:
+        err.print(f"[yellow]warning:[/yellow] {escape(w)}")
+    if p.moved is not None and verbose:
+        err.print(escape(p.moved.line()))
+    for line in p.offload_lines():
+        out.print(line)
+    for line in p.buffer_lines():
+        out.print(line)
+    for u in p.device_use:
+        verdict = "fits" if u.fits else "[red]DOES NOT FIT[/red]"
+        mapped = f" (+{u.mapped / MiB:.2f} MiB mapped)" if u.mapped else ""
+        err.print(f"{u.device}: {u.allocated / MiB:.2f} MiB{mapped} of {u.free / MiB:.2f} MiB free: {verdict}")
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    devices = _devices(args)
+    if args.json:
+        sys.stdout.write(json.dumps([d.to_dict() for d in devices], indent=1) + "\n")
+        return 0
+    for d in devices:
+        mem = d.memory()
+        caps = ", ".join(k for k, v in d.caps.to_dict().items() if v) or "-"
+        out.print(
+            f"{d.name:<8} {d.type:<4} {mem.free / MiB:10.0f} / {mem.total / MiB:.0f} MiB free  "
+            f"buffer types: {', '.join(b.name for b in d.buffer_types())}; caps: {caps}; {printable(d.description)}"
+        )
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    devices = _devices(args)
+    params = _params(args, devices)
+    index = open_model(args.path)
+    p = plan(index, devices, params)
+    if args.json:
+        sys.stdout.write(json.dumps(p.to_dict(), indent=1) + "\n")
+    else:
+        _print_plan(p, verbose=args.verbose)
+    return 0
 
 
 async def _load(args: argparse.Namespace) -> int:
-    mode = pipeline.LoadMode.parse(args.load_mode)
+    devices = _devices(args)
+    params = _params(args, devices)
     index = await asyncio.to_thread(open_model, args.path)
     start = time.perf_counter()
     bar = _progress_bar()
@@ -104,25 +185,26 @@ async def _load(args: argparse.Namespace) -> int:
         bar.update(task, completed=p.bytes_done, total=p.bytes_total)
 
     try:
-        model = await pipeline.load_model(index, load_mode=mode, on_progress=on_progress)
+        model = await pipeline.load_model(index, devices=devices, params=params, on_progress=on_progress)
     finally:
-        bar.stop()
+        if bar.live.is_started:
+            bar.stop()
     seconds = time.perf_counter() - start
     with model:
         if args.json:
             data = {
                 "path": index.path,
-                "load_mode": mode.value,
+                "load_mode": model.load_mode,
                 "n_tensors": len(model),
                 "tensor_bytes": index.nbytes,
                 "seconds": round(seconds, 4),
+                "plan": model.plan.to_dict(tensors=False),
                 "memory": model.report.to_dict(),
             }
             sys.stdout.write(json.dumps(data, indent=1) + "\n")
         else:
-            err.print(f"loaded {len(model)} tensors in {seconds:.2f} s ({mode.value})")
-            for line in model.report.lines():
-                out.print(line)
+            err.print(f"loaded {len(model)} tensors in {seconds:.2f} s ({model.load_mode})")
+            _print_plan(model.plan, verbose=args.verbose)
     return 0
 
 
@@ -133,12 +215,13 @@ def cmd_load(args: argparse.Namespace) -> int:
 # -- serve, sample, demo ------------------------------------------------------------------
 
 
-def _settings(models_dir: str | None) -> Any:
+def _settings(args: argparse.Namespace, models_dir: str | None) -> Any:
     from service.api.settings import Settings
 
-    if models_dir is None:
-        return Settings()
-    return Settings(models_dir=Path(models_dir))
+    overrides: dict[str, Any] = {"emulated_devices": args.emulated_devices, "cuda": not args.no_cuda}
+    if models_dir is not None:
+        overrides["models_dir"] = Path(models_dir)
+    return Settings(**overrides)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -167,7 +250,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from service.api.app import create_app
 
-    app = create_app(_settings(args.models_dir))
+    app = create_app(_settings(args, args.models_dir))
     _check_port_free(args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level)
     return 0
@@ -193,7 +276,7 @@ async def _demo(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)
     err.print(f"placing the sample model in {models_dir}/ ...")
     sample = await asyncio.to_thread(place_sample, models_dir)
-    app = create_app(_settings(models_dir))
+    app = create_app(_settings(args, models_dir))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     serving = asyncio.create_task(server.serve())
     while not server.started:
@@ -240,23 +323,78 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser -------------------------------------------------------------------------------
 
 
+def _device_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--emulated-devices",
+        default=os.environ.get("HOIST_EMULATED_DEVICES"),
+        metavar="SPEC",
+        help='emulated GPUs, e.g. "EMU0=3000MiB,EMU1=1000MiB" (default: $HOIST_EMULATED_DEVICES)',
+    )
+    parent.add_argument("--no-cuda", action="store_true", help="do not use CUDA GPUs")
+    return parent
+
+
+def _placement_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "-ngl",
+        "--n-gpu-layers",
+        "--gpu-layers",
+        default=None,
+        metavar="N",
+        help="layers to offload, counting the output layer: a number, 'all' or 'auto' (default all)",
+    )
+    parent.add_argument("-sm", "--split-mode", default="layer", choices=["none", "layer", "row"])
+    parent.add_argument("-mg", "--main-gpu", type=int, default=0, help="the device kept by split mode none")
+    parent.add_argument("-ts", "--tensor-split", default=None, metavar="SPLIT", help="proportions per device, e.g. 3,1")
+    parent.add_argument(
+        "-ot",
+        "--override-tensor",
+        action="append",
+        metavar="PATTERN=BUFT",
+        help="buffer type for tensors matching a regex; repeatable, comma-separated; first match wins",
+    )
+    parent.add_argument("--no-host", action="store_true", help="no pinned host buffer type for CPU layers")
+    parent.add_argument(
+        "-lm",
+        "--load-mode",
+        default="auto",
+        choices=[m.value for m in LoadMode] + ["dio"],
+        help="how tensor data gets into memory",
+    )
+    return parent  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hoist", description="Load GGUF models onto devices, as llama.cpp does.")
     parser.add_argument("--version", action="version", version=f"hoist {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    dev = _device_options()
+    place = _placement_options()
 
-    p = sub.add_parser("inspect", help="show a GGUF model's metadata and tensors")
-    p.add_argument("path")
+    p = sub.add_parser("inspect", help="show a GGUF model's metadata and tensors", parents=[dev])
+    p.add_argument("path", help="the GGUF file, or the first split of a split model")
     p.add_argument("--json", action="store_true", help="print everything as JSON")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("load", help="load a model into memory and print the memory report")
-    p.add_argument("path")
-    p.add_argument("-lm", "--load-mode", default="mmap", choices=[m.value for m in pipeline.LoadMode])
+    p = sub.add_parser("devices", help="list the devices and their memory", parents=[dev])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_devices)
+
+    p = sub.add_parser("plan", help="show where every tensor would go (dry run)", parents=[dev, place])
+    p.add_argument("path", help="the GGUF file, or the first split of a split model")
+    p.add_argument("-v", "--verbose", action="store_true", help="also show tensors moved off their buffer type")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON, every tensor included")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("load", help="load a model onto its devices and print the memory report", parents=[dev, place])
+    p.add_argument("path", help="the GGUF file, or the first split of a split model")
+    p.add_argument("-v", "--verbose", action="store_true", help="also show tensors moved off their buffer type")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_load)
 
-    p = sub.add_parser("serve", help="run the HTTP service")
+    p = sub.add_parser("serve", help="run the HTTP service", parents=[dev])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
@@ -267,11 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("demo", help="place the sample, serve, and load it through the HTTP API")
+    p = sub.add_parser("demo", help="place the sample, serve, and load it through the HTTP API", parents=[dev])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
-    p.add_argument("-lm", "--load-mode", default="mmap", choices=[m.value for m in pipeline.LoadMode])
+    p.add_argument("-lm", "--load-mode", default="auto", choices=[m.value for m in LoadMode])
     p.set_defaults(func=cmd_demo)
     return parser
 
@@ -280,7 +418,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hoist`` command; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from rich.logging import RichHandler
+
+    # log through the same console as the progress bars, so that lines never garble them
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(name)s: %(message)s",
+        handlers=[RichHandler(console=err, show_time=False, show_path=False, markup=False)],
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -21,6 +21,10 @@ escaping is a bug. ``service.api.errors`` maps each class to an HTTP status in o
     ├── RequestError                 a request names an unknown option, or a path that
     │                                leaves the models directory
     ├── ConflictError                the request does not fit the resource's state
+    ├── PlacementError               no valid placement (flags, buffer types, devices)
+    │   └── BudgetExceededError      the plan does not fit the devices' free memory
+    ├── DeviceError                  a device refused an operation
+    │   └── OutOfMemoryError         an allocation failed
     └── LoadCancelledError           a load was cancelled before it finished
 """
 
@@ -165,6 +169,32 @@ class ConflictError(HoistError):
     """The request does not fit the state of what it targets (cancelling a finished job)."""
 
     code = "conflict"
+
+
+class PlacementError(HoistError):
+    """No valid placement: bad placement flags, an unknown buffer type, a device
+    without split buffers, a tensor larger than a device's largest allocation."""
+
+    code = "invalid_placement"
+
+
+class BudgetExceededError(PlacementError):
+    """The plan needs more memory on some device than it has free; the message gives
+    the per-device breakdown."""
+
+    code = "insufficient_device_memory"
+
+
+class DeviceError(HoistError):
+    """A device refused an operation."""
+
+    code = "device_error"
+
+
+class OutOfMemoryError(DeviceError):
+    """An allocation on a device failed."""
+
+    code = "out_of_memory"
 
 
 class LoadCancelledError(HoistError):

@@ -57,15 +57,12 @@ def models_dir(tmp_path: Path) -> Path:
     return d
 
 
-@pytest.fixture
-def live_server(models_dir: Path) -> Iterator[str]:
-    """The real app served by uvicorn (with uvloop) on a free local port; yields its URL."""
+def _serve(settings: object) -> Iterator[str]:
     import uvicorn
 
     from service.api.app import create_app
-    from service.api.settings import Settings
 
-    app = create_app(Settings(models_dir=models_dir))
+    app = create_app(settings)  # type: ignore[arg-type]
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -80,3 +77,22 @@ def live_server(models_dir: Path) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.fixture
+def live_server(models_dir: Path) -> Iterator[str]:
+    """The real app served by uvicorn (with uvloop) on a free local port; yields its URL."""
+    from service.api.settings import Settings
+
+    yield from _serve(Settings(models_dir=models_dir, cuda=False))
+
+
+EMULATED = "EMU0=64MiB,EMU1=32MiB"
+
+
+@pytest.fixture
+def live_server_emu(models_dir: Path) -> Iterator[str]:
+    """The real app with two emulated GPUs (``EMULATED``); yields its URL."""
+    from service.api.settings import Settings
+
+    yield from _serve(Settings(models_dir=models_dir, cuda=False, emulated_devices=EMULATED))

@@ -198,3 +198,29 @@ def raw_gguf(
     head = b"GGUF" + _struct.pack("<IQQ", version, len(infos), len(kvs)) + b"".join(kvs) + b"".join(infos)
     pad = (-len(head)) % alignment if infos else 0
     return head + b"\0" * pad + data
+
+
+def block_model(
+    path: Path,
+    n_blocks: int,
+    *,
+    per_block: tuple[str, ...] = ("attn_q.weight", "ffn_up.weight"),
+    output: bool = True,
+    arch: str = "llama",
+    elements: int = 32,
+) -> Path:
+    """A model of ``n_blocks`` repeating layers (``<arch>.block_count`` set) with small F32
+    tensors: ``token_embd.weight``, ``output_norm.weight``, ``output.weight`` (unless
+    ``output`` is False: a tied output) and ``blk.N.<name>`` for each of ``per_block``."""
+    f32 = Q.F32
+    tensors: dict[str, tuple[np.ndarray, Q]] = {
+        "token_embd.weight": (np.arange(4 * elements, dtype=np.float32), f32),
+        "output_norm.weight": (np.ones(elements, dtype=np.float32), f32),
+    }
+    if output:
+        tensors["output.weight"] = (np.full(2 * elements, 2.0, dtype=np.float32), f32)
+    for i in range(n_blocks):
+        for name in per_block:
+            tensors[f"blk.{i}.{name}"] = (np.full(elements, float(i), dtype=np.float32), f32)
+    write_fixture(path, kv=[(f"{arch}.block_count", n_blocks, V.UINT32, None)], tensors=tensors, arch=arch)
+    return path

@@ -12,9 +12,9 @@ from fastapi import FastAPI
 from service import __version__
 from service.api import errors
 from service.api.jobs import JobManager
-from service.api.routes import devices, health, loads, models
+from service.api.routes import devices, health, loads, models, plans
 from service.api.settings import Settings
-from service.loader.devices import CPUDevice
+from service.loader.devices import discover_devices
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +29,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        jobs = JobManager(str(settings.models_dir), settings.max_concurrent_loads, settings.job_history)
-        logger.info("serving models from %s", settings.models_dir)
+        devices = discover_devices(settings.emulated_devices, cuda=settings.cuda)
+        jobs = JobManager(str(settings.models_dir), devices, settings.max_concurrent_loads, settings.job_history)
+        logger.info("serving models from %s on %s", settings.models_dir, ", ".join(d.name for d in devices))
         try:
-            yield {"jobs": jobs, "devices": [CPUDevice()], "settings": settings}
+            yield {"jobs": jobs, "devices": devices, "settings": settings}
         finally:
             await jobs.close()
 
     app = FastAPI(title="hoist", version=__version__, lifespan=lifespan)
     errors.install(app)
-    for router in (health.router, loads.router, models.router, devices.router):
+    for router in (health.router, loads.router, plans.router, models.router, devices.router):
         app.include_router(router)
     return app

@@ -13,12 +13,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.errors import (
+    BudgetExceededError,
     ByteOrderError,
     ConflictError,
+    DeviceError,
     FormatError,
     HoistError,
     LoadCancelledError,
     NotFoundError,
+    PlacementError,
     RequestError,
     SplitError,
     StorageError,
@@ -27,6 +30,9 @@ from service.errors import (
 PROBLEM_JSON = "application/problem+json"
 
 _STATUS: list[tuple[type[HoistError], int]] = [
+    (BudgetExceededError, 409),
+    (PlacementError, 400),
+    (DeviceError, 507),
     (NotFoundError, 404),
     (RequestError, 400),
     (ConflictError, 409),

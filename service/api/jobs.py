@@ -17,8 +17,10 @@ import aiofiles.os
 
 from service.api.errors import public_error
 from service.errors import ConflictError, HoistError, ModelPathError, NotFoundError, RequestError
+from service.loader.devices import Device
 from service.loader.model import LoadedModel, MemoryReport
-from service.loader.pipeline import LoadMode, Progress, load_model
+from service.loader.pipeline import Progress, check_budget, load_model
+from service.loader.placement import PlacementParams, Plan, make_params, plan
 from service.loader.weights import WeightIndex, open_model
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,8 @@ class LoadJob:
         id: the job id (``lj_...``); a model it loads is registered under the same id.
         model: the model path as requested, relative to the models directory.
         path: the resolved file path.
-        load_mode: the load mode.
+        params: the placement flags.
+        plan: the placement, as planned when the job was submitted.
         state: the current :class:`JobState`.
         bytes_done: tensor bytes in memory so far.
         bytes_total: tensor bytes the load brings in.
@@ -69,7 +72,8 @@ class LoadJob:
     id: str
     model: str
     path: str
-    load_mode: LoadMode
+    params: PlacementParams
+    plan: Plan
     n_tensors: int
     bytes_total: int
     state: JobState = JobState.QUEUED
@@ -95,6 +99,11 @@ class LoadJob:
             self.finished_at = _now()
 
     @property
+    def load_mode(self) -> str:
+        """The load mode as resolved by the plan (``mmap`` or ``none``)."""
+        return "mmap" if self.plan.use_mmap else "none"
+
+    @property
     def progress(self) -> float:
         """Fraction of bytes done, 0..1."""
         return self.bytes_done / self.bytes_total if self.bytes_total else float(self.state.terminal)
@@ -106,7 +115,6 @@ class ResidentModel:
 
     id: str
     model: str
-    load_mode: LoadMode
     loaded: LoadedModel
     loaded_at: datetime = field(default_factory=_now)
 
@@ -125,6 +133,8 @@ async def resolve_model_path(models_dir: str, model: str) -> str:
         raise RequestError(f"model path {ascii(model)} is not valid UTF-8") from None
     if not model or os.path.isabs(model) or "\0" in model or model.endswith("/"):
         raise RequestError(f"model path {model!r} must name a file relative to the models directory")
+    if os.path.normpath(model) != model:
+        raise RequestError(f"model path {model!r} is not in normal form (write {os.path.normpath(model)!r})")
     root = os.path.realpath(models_dir)
     path = os.path.realpath(os.path.join(root, model))
     if os.path.commonpath([root, path]) != root:
@@ -139,13 +149,17 @@ class JobManager:
 
     Args:
         models_dir: request paths are relative to it.
+        devices: the devices models are placed on.
         max_concurrent_loads: loads (and header parses) running at once; other loads
             wait as ``queued``.
         job_history: ended jobs kept for ``GET /v1/loads``; older ones are forgotten.
     """
 
-    def __init__(self, models_dir: str, max_concurrent_loads: int = 1, job_history: int = 256) -> None:
+    def __init__(
+        self, models_dir: str, devices: list[Device], max_concurrent_loads: int = 1, job_history: int = 256
+    ) -> None:
         self.models_dir = models_dir
+        self.devices = devices
         self.job_history = job_history
         self.jobs: dict[str, LoadJob] = {}
         self.models: dict[str, ResidentModel] = {}
@@ -157,23 +171,48 @@ class JobManager:
     def _new_id(self) -> str:
         return f"lj_{next(self._counter):04d}{secrets.token_hex(4)}"
 
-    async def submit(self, model: str, load_mode: LoadMode) -> LoadJob:
-        """Validate ``model``, parse its header, and start loading it in the background.
+    async def open(self, model: str) -> WeightIndex:
+        """Resolve ``model`` inside the models directory and parse it (and its splits).
 
         Raises:
             RequestError, ModelPathError: bad model path.
-            FormatError, StorageError: the file is not a valid, readable GGUF model.
+            FormatError, SplitError, StorageError: not a valid, readable GGUF model.
         """
         path = await resolve_model_path(self.models_dir, model)
         async with self._parsing:
-            index = await asyncio.to_thread(open_model, path, root=self.models_dir)
+            return await asyncio.to_thread(open_model, path, root=self.models_dir)
+
+    def params(self, flags: dict[str, Any]) -> PlacementParams:
+        """Placement parameters from request flags (``-ot`` names checked against the
+        devices' buffer types). Raises RequestError or PlacementError."""
+        return make_params([d.default_buffer_type.name for d in self.devices], **flags)
+
+    async def plan_model(self, model: str, flags: dict[str, Any]) -> tuple[WeightIndex, Plan]:
+        """Parse ``model`` and plan its placement with ``flags`` (a dry run)."""
+        index = await self.open(model)
+        params = self.params(flags)
+        return index, await asyncio.to_thread(plan, index, self.devices, params)
+
+    async def submit(self, model: str, flags: dict[str, Any]) -> LoadJob:
+        """Validate ``model`` and the placement flags, plan, and start loading in the
+        background.
+
+        Raises:
+            RequestError, ModelPathError: bad model path or flags.
+            FormatError, SplitError, StorageError: not a valid, readable GGUF model.
+            PlacementError: the flags give no valid placement.
+            BudgetExceededError: the plan does not fit the devices' free memory now.
+        """
+        index, placement = await self.plan_model(model, flags)
+        check_budget(placement)
         job = LoadJob(
             id=self._new_id(),
             model=model,
-            path=path,
-            load_mode=load_mode,
+            path=index.path,
+            params=self.params(flags),
+            plan=placement,
             n_tensors=len(index),
-            bytes_total=index.nbytes,
+            bytes_total=sum(t.nbytes for t in placement.tensors),
         )
         self.jobs[job.id] = job
         job.task = asyncio.create_task(self._run(job, index), name=f"load {job.id}")
@@ -210,7 +249,7 @@ class JobManager:
                 job.bytes_total = p.bytes_total
 
             try:
-                loaded = await load_model(index, load_mode=job.load_mode, on_progress=on_progress)
+                loaded = await load_model(index, devices=self.devices, params=job.params, on_progress=on_progress)
             except asyncio.CancelledError:
                 job.transition(JobState.CANCELLED)
                 raise
@@ -224,7 +263,8 @@ class JobManager:
                 job.transition(JobState.FAILED)
                 logger.exception("load %s of %s failed unexpectedly", job.id, job.model)
                 return
-            self.models[job.id] = ResidentModel(job.id, job.model, job.load_mode, loaded)
+            self.models[job.id] = ResidentModel(job.id, job.model, loaded)
+            job.plan = loaded.plan
             job.report = loaded.report
             job.transition(JobState.SUCCEEDED)
             logger.info("loaded %s as %s (%d bytes)", job.model, job.id, loaded.report.total_nbytes)

@@ -8,15 +8,33 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class LoadRequest(BaseModel):
-    """Body of ``POST /v1/loads``."""
+class PlanRequest(BaseModel):
+    """Body of ``POST /v1/plans``: a model and llama.cpp's placement flags."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="Path of the GGUF file, relative to the models directory.")
-    load_mode: Literal["mmap", "none"] = Field(
-        default="mmap", description="How tensor data gets into memory (llama.cpp --load-mode)."
+    model: str = Field(description="Path of the GGUF file (or its first split), relative to the models directory.")
+    n_gpu_layers: int | Literal["all", "auto"] | None = Field(
+        default=None, description="Layers to offload, counting the output layer (-ngl); default all."
     )
+    split_mode: Literal["none", "layer", "row"] = Field(default="layer", description="-sm")
+    main_gpu: int = Field(default=0, description="-mg: the device kept by split mode none (-1: none).")
+    tensor_split: list[float] | str | None = Field(default=None, description="-ts: proportions per device.")
+    override_tensor: list[str] = Field(
+        default_factory=list, description="-ot: PATTERN=BUFFER_TYPE items; the first match wins."
+    )
+    no_host: bool = Field(default=False, description="--no-host: no pinned host buffer type for CPU layers.")
+    load_mode: Literal["auto", "none", "mmap", "mlock", "mmap+mlock", "direct-io"] = Field(
+        default="auto", description="-lm: how tensor data gets into memory."
+    )
+
+    def flags(self) -> dict[str, Any]:
+        """The placement flags as keyword arguments of ``make_params``."""
+        return self.model_dump(exclude={"model"})
+
+
+class LoadRequest(PlanRequest):
+    """Body of ``POST /v1/loads``: the same as a plan."""
 
 
 class BufferOut(BaseModel):
@@ -50,6 +68,7 @@ class LoadJobOut(BaseModel):
     bytes_done: int
     bytes_total: int
     n_tensors: int
+    plan: dict[str, Any] = Field(description="Devices, layer assignment, offload and buffer lines.")
     error: dict[str, Any] | None = None
     memory: MemoryReportOut | None = Field(default=None, description="Set once the job succeeded.")
     model_id: str | None = Field(default=None, description="The loaded model's id, once succeeded.")
@@ -74,8 +93,13 @@ class DeviceOut(BaseModel):
     name: str
     description: str
     type: str
+    backend: str
+    id: str | None
     free_bytes: int
     total_bytes: int
+    max_alloc_bytes: int | None
+    caps: dict[str, bool]
+    buffer_types: list[str]
     models: list[DeviceModelUse]
     used_by_models_bytes: int
 

@@ -21,6 +21,12 @@ class Settings(BaseSettings):
     """Loads that run at once; further loads wait in state ``queued``
     (``HOIST_MAX_CONCURRENT_LOADS``)."""
 
+    emulated_devices: str | None = Field(default=None)
+    """Emulated GPUs to offer, as ``EMU0=3000MiB,EMU1=1000MiB`` (``HOIST_EMULATED_DEVICES``)."""
+
+    cuda: bool = Field(default=True)
+    """Use CUDA GPUs through PyTorch when available (``HOIST_CUDA``)."""
+
     job_history: int = Field(default=256, ge=1)
     """Ended load jobs kept for listing (``HOIST_JOB_HISTORY``)."""
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from service.loader.placement import Plan
 from service.loader.weights import WeightIndex
 
 MiB = 1 << 20
@@ -89,13 +90,14 @@ class LoadedTensor:
         ggml_type: the ggml type name (``F32``, ``Q4_K``, ...).
         ne: dimensions in ggml order (``ne[0]`` is the row length).
         nbytes: size of the data in bytes.
-        buffer_type: the buffer type holding it.
-        device: the device holding it.
-        data: the data as a numpy array: the element type for plain types (``F32`` as
-            float32, ``BF16`` as its uint16 patterns), raw ``uint8`` rows of blocks for
-            block-quantized types; shape ``ne`` reversed (for quantized types the last
-            axis is the row's bytes). SAFETY: under ``mmap`` it is a read-only view of the
-            file mapping, valid until the model is closed.
+        buffer_type: the buffer holding it (``CPU_Mapped``, ``CPU``, ``EMU0``, ...).
+        device: the device whose memory holds it.
+        data: the data. On the host and on emulated devices a numpy array: the element
+            type for plain types (``F32`` as float32, ``BF16`` as its uint16 patterns),
+            raw ``uint8`` rows of blocks for block-quantized types; shape ``ne`` reversed
+            (for quantized types the last axis is the row's bytes). On a CUDA device a
+            ``torch.uint8`` tensor of the raw bytes. SAFETY: valid until the model is
+            closed; under ``mmap`` a read-only view of the file mapping.
     """
 
     name: str
@@ -115,22 +117,29 @@ class LoadedModel:
 
     Attributes:
         index: the weights index the model was loaded from.
+        plan: the placement it was loaded with.
         load_mode: the load mode used (``mmap``, ``none``, ...).
         tensors: name -> :class:`LoadedTensor`, in load order.
+        tied_output: the second copy of ``token_embd.weight`` that serves as the output
+            weight on a device (models without ``output.weight``), if any.
         report: the memory report.
     """
 
     def __init__(
         self,
         index: WeightIndex,
-        load_mode: str,
+        plan: Plan,
         tensors: dict[str, LoadedTensor],
         report: MemoryReport,
         release: Callable[[], None],
+        *,
+        tied_output: LoadedTensor | None = None,
     ) -> None:
         self.index = index
-        self.load_mode = load_mode
+        self.plan = plan
+        self.load_mode = "mmap" if plan.use_mmap else "none"
         self.tensors = tensors
+        self.tied_output = tied_output
         self.report = report
         self._release: Callable[[], None] | None = release
 
@@ -146,6 +155,8 @@ class LoadedModel:
             return
         for tensor in self.tensors.values():
             tensor.data = np.empty(0, dtype=np.uint8)
+        if self.tied_output is not None:
+            self.tied_output.data = np.empty(0, dtype=np.uint8)
         release()
 
     def __iter__(self) -> Iterator[LoadedTensor]:

@@ -15,12 +15,21 @@ import pytest
 
 from service.api.jobs import JobManager, JobState, LoadJob
 from service.loader import pipeline
-from service.loader.pipeline import LoadMode
+from service.loader.devices import CPUDevice
+from service.loader.placement import PlacementParams, plan
+from service.loader.weights import open_model
 from tests.helpers import write_fixture
 
 
-def test_state_machine_refuses_illegal_moves() -> None:
-    job = LoadJob(id="lj_x", model="m", path="/m", load_mode=LoadMode.MMAP, n_tensors=1, bytes_total=1)
+def test_state_machine_refuses_illegal_moves(tmp_path: Path) -> None:
+    path = write_fixture(
+        tmp_path / "m.gguf", tensors={"w": (np.ones(8, dtype=np.float32), gguf.GGMLQuantizationType.F32)}
+    ).path
+    params = PlacementParams()
+    job = LoadJob(
+        id="lj_x", model="m", path=str(path), params=params, plan=plan(open_model(path), [CPUDevice()], params),
+        n_tensors=1, bytes_total=32,
+    )  # fmt: skip
     with pytest.raises(RuntimeError, match="expected a move to cancelled, running, got succeeded"):
         job.transition(JobState.SUCCEEDED)
     job.transition(JobState.RUNNING)
@@ -43,10 +52,10 @@ async def test_a_cancelled_load_frees_its_memory(tmp_path: Path, monkeypatch: py
         cancel.wait(30)
 
     monkeypatch.setattr(pipeline, "_run_steps", gated)
-    jobs = JobManager(str(models))
+    jobs = JobManager(str(models), [CPUDevice()])
     tracemalloc.start()
     try:
-        job = await jobs.submit("big.gguf", LoadMode.NONE)
+        job = await jobs.submit("big.gguf", {"load_mode": "none"})
         while not inside.is_set():
             await asyncio.sleep(0.01)
         held = tracemalloc.get_traced_memory()[0]
@@ -67,10 +76,10 @@ async def test_job_history_is_bounded(tmp_path: Path) -> None:
     models = tmp_path / "models"
     models.mkdir()
     write_fixture(models / "m.gguf", tensors={"w": (np.ones(8, dtype=np.float32), gguf.GGMLQuantizationType.F32)})
-    jobs = JobManager(str(models), job_history=3)
+    jobs = JobManager(str(models), [CPUDevice()], job_history=3)
     try:
         for _ in range(6):
-            job = await jobs.submit("m.gguf", LoadMode.MMAP)
+            job = await jobs.submit("m.gguf", {"load_mode": "mmap"})
             while not job.state.terminal:
                 await asyncio.sleep(0.01)
             jobs.unload(job.id)

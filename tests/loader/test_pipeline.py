@@ -13,12 +13,12 @@ import pytest
 
 from service.errors import ByteOrderError, LoadCancelledError, RequestError
 from service.loader.model import LoadedModel
-from service.loader.pipeline import LoadMode, Progress, load_model
+from service.loader.pipeline import Progress, load_model
 from service.loader.weights import open_model
 from tests.helpers import Fixture, mixed_tensors, write_fixture
 from tests.resources import fds_on, load_threads, mappings_of
 
-MODES = [m.value for m in LoadMode]
+MODES = ["mmap", "none"]
 
 
 def assert_matches_reader(model: LoadedModel, reader: Any) -> None:
@@ -211,17 +211,60 @@ async def test_file_shrinking_under_a_mapping_is_a_clear_error(tmp_path: Path) -
     from service.errors import StorageError
 
     rng = np.random.default_rng(9)
-    tensors = {
-        f"blk.{i}.w": (rng.standard_normal(1 << 16).astype(np.float32), gguf.GGMLQuantizationType.F32) for i in range(4)
-    }
+    f32 = gguf.GGMLQuantizationType.F32
+    tensors = {f"blk.{i}.w": (rng.standard_normal(1 << 16).astype(np.float32), f32) for i in range(4)}
     path = write_fixture(tmp_path / "shrinks.gguf", tensors=tensors).path
     index = open_model(path)
-
-    def shrink_once(p: Progress) -> None:
-        if 0 < p.bytes_done < p.bytes_total and path.stat().st_size > 8192:
-            with open(path, "r+b") as f:
-                f.truncate(8192)
-
+    with open(path, "r+b") as f:  # the file shrinks between parsing and mapping
+        f.truncate(index.files[0].data_offset + 8192)
     with pytest.raises(StorageError, match="did the file shrink"):
-        await load_model(index, load_mode="mmap", on_progress=shrink_once, chunk_nbytes=1 << 16)
+        await load_model(index, load_mode="mmap", chunk_nbytes=1 << 16)
     assert mappings_of(path) == 0
+
+
+# -- onto emulated devices ------------------------------------------------------------------
+
+DEVICE_SETUPS = {
+    "cpu": ("", {}),
+    "emu-all": ("EMU0=1GiB,EMU1=1GiB", {"n_gpu_layers": "all"}),
+    "emu-partial": ("EMU0=1GiB", {"n_gpu_layers": 2}),
+    "emu-host": ("EMU0=1GiB", {"n_gpu_layers": 1}),
+}
+
+
+def _load_on(path: Path, setup: str, mode: str, **extra: Any) -> tuple[LoadedModel, list[Any]]:
+    from service.loader.devices import discover_devices
+    from service.loader.placement import make_params
+
+    spec, flags = DEVICE_SETUPS[setup]
+    devs = discover_devices(spec, cuda=False)
+    params = make_params([d.default_buffer_type.name for d in devs], load_mode=mode, **flags)
+    return asyncio.run(load_model(open_model(path), devices=devs, params=params, **extra)), devs
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("setup", sorted(DEVICE_SETUPS))
+def test_bytes_match_gguf_py_on_every_device_setup(all_types_fixture: Fixture, setup: str, mode: str) -> None:
+    model, devs = _load_on(all_types_fixture.path, setup, mode)
+    with model:
+        assert_matches_reader(model, gguf.GGUFReader(all_types_fixture.path))
+        placed = {t.name: t.device for t in model.plan.tensors if t.role == "weight"}
+        assert {t.name: t.device for t in model} == placed
+        if setup.startswith("emu"):
+            assert any(t.device == "EMU0" for t in model)
+    assert all(getattr(d, "allocated", 0) == 0 for d in devs)
+
+
+@pytest.mark.sample
+@pytest.mark.parametrize("mode", MODES)
+def test_sample_on_two_emulated_devices(sample_path: Path, sample_reader: Any, mode: str) -> None:
+    model, devs = _load_on(sample_path, "emu-all", mode)
+    with model:
+        assert_matches_reader(model, sample_reader)
+        assert model.tied_output is not None and model.tied_output.device == "EMU1"
+        assert model.tied_output.data.tobytes() == model["token_embd.weight"].data.tobytes()
+        assert {b.buffer_type: round(b.nbytes / (1 << 20), 2) for b in model.report.buffers} == {
+            ("CPU_Mapped" if mode == "mmap" else "EMU_Host"): 170.0,
+            "EMU0": 35.82,
+            "EMU1": 199.34,
+        }

@@ -29,15 +29,7 @@ async def list_devices(devices: DevicesDep, jobs: JobsDep) -> DeviceList:
                         total_bytes=sum(per_type.values()),
                     )
                 )
-        out.append(
-            DeviceOut(
-                name=device.name,
-                description=device.description,
-                type=device.type,
-                free_bytes=mem.free,
-                total_bytes=mem.total,
-                models=uses,
-                used_by_models_bytes=sum(u.total_bytes for u in uses),
-            )
-        )
+        info = device.to_dict()
+        info.update(free_bytes=mem.free, total_bytes=mem.total)
+        out.append(DeviceOut(**info, models=uses, used_by_models_bytes=sum(u.total_bytes for u in uses)))
     return DeviceList(data=out)

@@ -7,7 +7,6 @@ from fastapi import APIRouter, Response
 from service.api.deps import JobsDep
 from service.api.routes.views import job_out
 from service.api.schemas import LoadJobList, LoadJobOut, LoadRequest
-from service.loader.pipeline import LoadMode
 
 router = APIRouter(prefix="/v1/loads", tags=["loads"])
 
@@ -16,9 +15,10 @@ router = APIRouter(prefix="/v1/loads", tags=["loads"])
 async def start_load(body: LoadRequest, jobs: JobsDep, response: Response) -> LoadJobOut:
     """Start loading a model in the background; answers at once with the job.
 
-    The file's header is read before answering, so a missing or invalid file is a 4xx
-    here rather than a failed job."""
-    job = await jobs.submit(body.model, LoadMode(body.load_mode))
+    The file's header is read and the placement planned before answering, so a missing
+    or invalid file, invalid flags or a model that does not fit are a 4xx here rather
+    than a failed job."""
+    job = await jobs.submit(body.model, body.flags())
     response.headers["Location"] = f"/v1/loads/{job.id}"
     return job_out(job)
 

@@ -1,6 +1,22 @@
 """Devices that hold model buffers (llama.cpp's ``ggml_backend_dev``)."""
 
-from service.loader.devices.base import Device, DeviceMemory
-from service.loader.devices.cpu import CPUDevice
+from service.loader.devices.base import BufferType, Device, DeviceBuffer, DeviceCaps, DeviceMemory, HostBuffer
+from service.loader.devices.cpu import CPU_BUFFER_TYPE, MAPPED_BUFFER_NAME, CPUDevice
+from service.loader.devices.emulated import EMUDevice, parse_emulated_devices, parse_size
+from service.loader.devices.registry import discover_devices
 
-__all__ = ["CPUDevice", "Device", "DeviceMemory"]
+__all__ = [
+    "CPU_BUFFER_TYPE",
+    "MAPPED_BUFFER_NAME",
+    "BufferType",
+    "CPUDevice",
+    "Device",
+    "DeviceBuffer",
+    "DeviceCaps",
+    "DeviceMemory",
+    "EMUDevice",
+    "HostBuffer",
+    "discover_devices",
+    "parse_emulated_devices",
+    "parse_size",
+]

@@ -1,9 +1,14 @@
-"""What every device reports."""
+"""What every device offers (llama.cpp's ``ggml_backend_dev`` and buffer types)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from service.io.align import aligned_empty
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,19 +24,187 @@ class DeviceMemory:
     total: int
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceCaps:
+    """Capabilities (llama.cpp's ``ggml_backend_dev_caps``).
+
+    Attributes:
+        async_: copies can run asynchronously (streams / a worker).
+        host_buffer: the device has a pinned host buffer type for staging.
+        buffer_from_host_ptr: the device can wrap host memory (a file mapping) as a buffer.
+        events: the device can record and wait on events.
+        mmap_support: the device can load from a file mapping.
+    """
+
+    async_: bool
+    host_buffer: bool
+    buffer_from_host_ptr: bool
+    events: bool
+    mmap_support: bool = True
+
+    def to_dict(self) -> dict[str, bool]:
+        return {
+            "async": self.async_,
+            "host_buffer": self.host_buffer,
+            "buffer_from_host_ptr": self.buffer_from_host_ptr,
+            "events": self.events,
+            "mmap_support": self.mmap_support,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BufferType:
+    """A buffer type (llama.cpp's ``ggml_backend_buffer_type``).
+
+    Attributes:
+        name: the buffer type's name (``CPU``, ``EMU0``, ``EMU_Host``, ``CUDA0``, ...).
+        device: name of the device that owns it.
+        is_host: buffers of this type live in host memory.
+        alignment: alignment of each tensor in an allocated buffer, in bytes.
+        max_size: largest single buffer in bytes (None: no limit).
+    """
+
+    name: str
+    device: str
+    is_host: bool
+    alignment: int = 32
+    max_size: int | None = None
+
+
+class DeviceBuffer(ABC):
+    """Memory allocated on a device for a buffer of some buffer type.
+
+    Attributes:
+        buffer_type: the buffer's type.
+        nbytes: its size in bytes.
+    """
+
+    buffer_type: BufferType
+    nbytes: int
+
+    @abstractmethod
+    def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        """Copy ``data`` (host bytes) to ``[offset, offset + len(data))`` of the buffer."""
+
+    @abstractmethod
+    def view(self, offset: int, nbytes: int) -> Any:
+        """The bytes ``[offset, offset + nbytes)`` as the device's array type: a numpy
+        ``uint8`` array for host and emulated memory, a torch tensor on CUDA."""
+
+    @abstractmethod
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Copy ``nbytes`` at ``offset`` back to the host."""
+
+    @abstractmethod
+    def free(self) -> None:
+        """Release the memory. Idempotent."""
+
+
+class HostBuffer(DeviceBuffer):
+    """A buffer in host memory (the ``CPU`` buffer type, or a device's host buffer type),
+    aligned to 4096 bytes."""
+
+    def __init__(self, buffer_type: BufferType, nbytes: int) -> None:
+        self.buffer_type = buffer_type
+        self.nbytes = nbytes
+        self._data: np.ndarray[Any, np.dtype[np.uint8]] | None = aligned_empty(nbytes)
+
+    @property
+    def data(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The whole buffer. Raises RuntimeError once freed."""
+        if self._data is None:
+            raise RuntimeError(f"{self.buffer_type.name} buffer already freed")
+        return self._data
+
+    def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        self.data[offset : offset + len(data)] = data
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return self.data[offset : offset + nbytes]
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.data[offset : offset + nbytes].tobytes()
+
+    def free(self) -> None:
+        self._data = None
+
+
+@dataclass
 class Device(ABC):
     """A device (llama.cpp ``ggml_backend_dev``).
 
     Attributes:
         name: the device name (``CPU``, ``CUDA0``, ``EMU0``).
         description: a human-readable description.
-        type: ``CPU``, ``GPU`` or ``ACCEL`` (llama.cpp's device types).
+        type: ``CPU``, ``GPU``, ``IGPU`` or ``ACCEL`` (llama.cpp's device types).
+        backend: ``CPU``, ``CUDA`` or ``EMU``.
+        device_id: a stable id (PCI bus id or UUID) used to de-duplicate devices seen
+            twice; None when unknown.
+        remote: placed first in the device list (llama.cpp's RPC devices).
+        caps: the device's capabilities.
+        default_buffer_type: where tensors assigned to the device go.
+        host_buffer_type: its pinned host buffer type, if any.
+        split_buffer_type: its row-split buffer type, if any.
+        extra_buffer_types: further buffer types (none of hoist's devices has any).
+        unsupported: op names and ggml type names the device cannot run (weights using
+            them fall back along the buffer type list).
     """
 
     name: str
     description: str
     type: str
+    backend: str
+    device_id: str | None
+    remote: bool
+    caps: DeviceCaps
+    default_buffer_type: BufferType
+    host_buffer_type: BufferType | None = None
+    split_buffer_type: BufferType | None = None
+    extra_buffer_types: tuple[BufferType, ...] = ()
+    unsupported: frozenset[str] = field(default_factory=frozenset)
 
     @abstractmethod
     def memory(self) -> DeviceMemory:
-        """Free and total memory now."""
+        """Free and total memory now, in bytes."""
+
+    @property
+    def max_alloc_nbytes(self) -> int | None:
+        """Largest single allocation in bytes (the default buffer type's max size)."""
+        return self.default_buffer_type.max_size
+
+    def supports(self, op: str, ggml_type: str) -> bool:
+        """Whether the device can run ``op`` on a weight of ``ggml_type`` (llama.cpp's
+        ``ggml_backend_dev_supports_op`` for the weight's op)."""
+        return op not in self.unsupported and ggml_type not in self.unsupported
+
+    def buffer_types(self) -> list[BufferType]:
+        """Every buffer type of the device."""
+        types = [self.default_buffer_type]
+        for extra in (self.host_buffer_type, self.split_buffer_type, *self.extra_buffer_types):
+            if extra is not None:
+                types.append(extra)
+        return types
+
+    @abstractmethod
+    def alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
+        """Allocate a buffer of ``buffer_type`` (one of this device's types).
+
+        Raises:
+            OutOfMemoryError: the device cannot allocate ``nbytes``.
+        """
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready description with current memory."""
+        mem = self.memory()
+        return {
+            "name": self.name,
+            "description": self.description,
+            "type": self.type,
+            "backend": self.backend,
+            "id": self.device_id,
+            "free_bytes": mem.free,
+            "total_bytes": mem.total,
+            "max_alloc_bytes": self.max_alloc_nbytes,
+            "caps": self.caps.to_dict(),
+            "buffer_types": [b.name for b in self.buffer_types()],
+        }

@@ -6,7 +6,8 @@ import os
 import platform
 from pathlib import Path
 
-from service.loader.devices.base import Device, DeviceMemory
+from service.errors import OutOfMemoryError
+from service.loader.devices.base import BufferType, Device, DeviceBuffer, DeviceCaps, DeviceMemory, HostBuffer
 
 _CGROUP = Path("/sys/fs/cgroup")
 
@@ -51,14 +52,33 @@ def host_memory() -> DeviceMemory:
     return DeviceMemory(free=free, total=total)
 
 
-class CPUDevice(Device):
-    """The host CPU and its memory (buffer types ``CPU`` and ``CPU_Mapped``)."""
+CPU_BUFFER_TYPE = BufferType("CPU", "CPU", is_host=True, alignment=32)
+"""The host's default buffer type."""
 
-    name = "CPU"
-    type = "CPU"
+MAPPED_BUFFER_NAME = "CPU_Mapped"
+"""Name of a CPU buffer that wraps a range of a file mapping."""
+
+
+class CPUDevice(Device):
+    """The host CPU and its memory (buffer type ``CPU``; mapped buffers ``CPU_Mapped``)."""
 
     def __init__(self) -> None:
-        self.description = platform.processor() or platform.machine() or "CPU"
+        super().__init__(
+            name="CPU",
+            description=platform.processor() or platform.machine() or "CPU",
+            type="CPU",
+            backend="CPU",
+            device_id=None,
+            remote=False,
+            caps=DeviceCaps(async_=False, host_buffer=False, buffer_from_host_ptr=True, events=False),
+            default_buffer_type=CPU_BUFFER_TYPE,
+        )
 
     def memory(self) -> DeviceMemory:
         return host_memory()
+
+    def alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
+        try:
+            return HostBuffer(buffer_type, nbytes)
+        except MemoryError as exc:
+            raise OutOfMemoryError(f"cannot allocate a {buffer_type.name} buffer of {nbytes} bytes") from exc

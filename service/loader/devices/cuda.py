@@ -1,0 +1,130 @@
+"""``CUDA<i>``: NVIDIA GPUs through PyTorch (the ``cuda`` extra).
+
+Device buffers are ``torch.uint8`` tensors on the GPU; the host buffer type
+``CUDA_Host`` is pinned host memory. Nothing here imports torch until a CUDA device is
+asked for, so hoist runs without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from service.errors import OutOfMemoryError
+from service.loader.devices.base import BufferType, Device, DeviceBuffer, DeviceCaps, DeviceMemory
+
+CUDA_HOST_BUFFER_TYPE_NAME = "CUDA_Host"
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+class CUDABuffer(DeviceBuffer):
+    """GPU memory: one ``torch.uint8`` tensor on ``cuda:<i>``."""
+
+    def __init__(self, buffer_type: BufferType, tensor: Any) -> None:
+        self.buffer_type = buffer_type
+        self.nbytes = int(tensor.numel())
+        self._tensor: Any = tensor
+
+    @property
+    def tensor(self) -> Any:
+        if self._tensor is None:
+            raise RuntimeError(f"{self.buffer_type.name} buffer already freed")
+        return self._tensor
+
+    def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        torch = _torch()
+        self.tensor[offset : offset + len(data)].copy_(torch.from_numpy(np.ascontiguousarray(data)))
+
+    def view(self, offset: int, nbytes: int) -> Any:
+        return self.tensor[offset : offset + nbytes]
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return bytes(self.tensor[offset : offset + nbytes].cpu().numpy().tobytes())
+
+    def free(self) -> None:
+        self._tensor = None
+
+
+class PinnedBuffer(DeviceBuffer):
+    """Pinned (page-locked) host memory from PyTorch: the ``CUDA_Host`` buffer type."""
+
+    def __init__(self, buffer_type: BufferType, tensor: Any) -> None:
+        self.buffer_type = buffer_type
+        self.nbytes = int(tensor.numel())
+        self._tensor: Any = tensor
+        self.data: np.ndarray[Any, np.dtype[np.uint8]] = tensor.numpy()
+
+    def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        self.data[offset : offset + len(data)] = data
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return self.data[offset : offset + nbytes]
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.data[offset : offset + nbytes].tobytes()
+
+    def free(self) -> None:
+        self.data = np.empty(0, dtype=np.uint8)
+        self._tensor = None
+
+
+class CUDADevice(Device):
+    """One CUDA GPU seen through PyTorch."""
+
+    def __init__(self, index: int, description: str, device_id: str | None) -> None:
+        name = f"CUDA{index}"
+        super().__init__(
+            name=name,
+            description=description,
+            type="GPU",
+            backend="CUDA",
+            device_id=device_id,
+            remote=False,
+            caps=DeviceCaps(async_=True, host_buffer=True, buffer_from_host_ptr=False, events=True),
+            default_buffer_type=BufferType(name, name, is_host=False, alignment=128),
+            host_buffer_type=BufferType(CUDA_HOST_BUFFER_TYPE_NAME, name, is_host=True, alignment=32),
+        )
+        self.index = index
+
+    def memory(self) -> DeviceMemory:
+        free, total = _torch().cuda.mem_get_info(self.index)
+        return DeviceMemory(int(free), int(total))
+
+    def alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
+        torch = _torch()
+        try:
+            if buffer_type.is_host:
+                return PinnedBuffer(buffer_type, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+            return CUDABuffer(buffer_type, torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.index}"))
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+            raise OutOfMemoryError(
+                f"{self.name}: cannot allocate a {buffer_type.name} buffer of {nbytes} bytes"
+            ) from exc
+
+
+def cuda_devices() -> list[CUDADevice]:
+    """Every CUDA GPU PyTorch sees; empty without torch or without a GPU."""
+    try:
+        torch = _torch()
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        uuid = getattr(props, "uuid", None)
+        bus = getattr(props, "pci_bus_id", None)
+        device_id: str | None
+        if bus is not None:
+            device_id = f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+        else:
+            device_id = str(uuid) if uuid is not None else None
+        devices.append(CUDADevice(i, str(props.name), device_id))
+    return devices

@@ -1,0 +1,210 @@
+"""``EMU<i>``: emulated discrete GPUs with declared memory sizes.
+
+An emulated device behaves like a discrete GPU for placement and loading: its memory is
+not host memory (its buffers are separate allocations counted against the declared
+size), it has a pinned-like host buffer type ``EMU_Host`` for staging, it copies
+asynchronously with completion events, and it accepts every op unless told otherwise.
+It mirrors the RPC devices llama.cpp uses to stand in for GPUs (placed first, no split
+buffer type), so that multi-device placement can be planned and tested without GPUs.
+
+Declared as ``NAME=SIZE[:option...]`` separated by commas, e.g.
+``EMU0=3000MiB,EMU1=1000MiB:max_alloc=256MiB``. Options:
+
+- ``max_alloc=SIZE``: largest single allocation.
+- ``unsupported=A+B``: op names (``MUL_MAT_ID``) or ggml types (``Q4_K``) the device
+  refuses, so that weights using them fall back along the buffer type list.
+- ``no_mmap``: the device cannot load from mapped memory (``auto`` then reads).
+- ``sync``: no async copies, events or host buffer type (the synchronous fallback).
+
+A size of 0 declares a device that reports 0/0 memory (as some backends do).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import numpy as np
+
+from service.errors import OutOfMemoryError, RequestError
+from service.loader.devices.base import BufferType, Device, DeviceBuffer, DeviceCaps, DeviceMemory, HostBuffer
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+    "K": 1 << 10,
+    "M": 1 << 20,
+    "G": 1 << 30,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_NAME = re.compile(r"^EMU(\d+)$")
+
+EMU_HOST_BUFFER_TYPE_NAME = "EMU_Host"
+
+
+def parse_size(text: str) -> int:
+    """``3000MiB``, ``2GiB``, ``1.5GB``, ``4096`` -> bytes. Raises RequestError."""
+    m = _SIZE.match(text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _UNITS:
+        raise RequestError(f"invalid size '{text}' (expected e.g. 3000MiB, 2GiB or a number of bytes)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class EMUBuffer(DeviceBuffer):
+    """Emulated device memory: a separate allocation counted against the device."""
+
+    def __init__(self, device: EMUDevice, buffer_type: BufferType, nbytes: int) -> None:
+        self.device = device
+        self.buffer_type = buffer_type
+        self.nbytes = nbytes
+        self._data: np.ndarray[Any, np.dtype[np.uint8]] | None = np.empty(nbytes, dtype=np.uint8)
+
+    @property
+    def data(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        if self._data is None:
+            raise RuntimeError(f"{self.buffer_type.name} buffer already freed")
+        return self._data
+
+    def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        self.data[offset : offset + len(data)] = data
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return self.data[offset : offset + nbytes]
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.data[offset : offset + nbytes].tobytes()
+
+    def free(self) -> None:
+        if self._data is not None:
+            self._data = None
+            self.device._release(self.nbytes)
+
+
+class EMUDevice(Device):
+    """An emulated discrete GPU.
+
+    Args:
+        index: the ``i`` of ``EMU<i>``.
+        total: declared memory in bytes (0: reports 0/0 and allocates without a limit).
+        max_alloc: largest single allocation in bytes, or None.
+        unsupported: op and ggml type names the device refuses.
+        mmap_support: whether it can load from mapped memory.
+        sync: no async copies, events or host buffer type.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        total: int,
+        *,
+        max_alloc: int | None = None,
+        unsupported: frozenset[str] = frozenset(),
+        mmap_support: bool = True,
+        sync: bool = False,
+    ) -> None:
+        name = f"EMU{index}"
+        super().__init__(
+            name=name,
+            description=f"emulated GPU with {total / (1 << 20):.0f} MiB",
+            type="GPU",
+            backend="EMU",
+            device_id=f"emu:{index}",
+            remote=True,
+            caps=DeviceCaps(
+                async_=not sync,
+                host_buffer=not sync,
+                buffer_from_host_ptr=False,
+                events=not sync,
+                mmap_support=mmap_support,
+            ),
+            default_buffer_type=BufferType(name, name, is_host=False, alignment=32, max_size=max_alloc),
+            host_buffer_type=None if sync else BufferType(EMU_HOST_BUFFER_TYPE_NAME, name, is_host=True),
+            unsupported=unsupported,
+        )
+        self.total = total
+        self.allocated = 0
+        self._lock = threading.Lock()
+
+    def memory(self) -> DeviceMemory:
+        if self.total == 0:
+            return DeviceMemory(0, 0)
+        with self._lock:
+            return DeviceMemory(free=max(self.total - self.allocated, 0), total=self.total)
+
+    def alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
+        if buffer_type.is_host:
+            try:
+                return HostBuffer(buffer_type, nbytes)
+            except MemoryError as exc:
+                raise OutOfMemoryError(f"cannot allocate a {buffer_type.name} buffer of {nbytes} bytes") from exc
+        limit = self.default_buffer_type.max_size
+        if limit is not None and nbytes > limit:
+            raise OutOfMemoryError(
+                f"{self.name}: a buffer of {nbytes} bytes exceeds the largest allocation ({limit} bytes)"
+            )
+        with self._lock:
+            if self.total and self.allocated + nbytes > self.total:
+                raise OutOfMemoryError(
+                    f"{self.name}: out of memory allocating {nbytes} bytes "
+                    f"({self.total - self.allocated} of {self.total} bytes free)"
+                )
+            self.allocated += nbytes
+        try:
+            return EMUBuffer(self, buffer_type, nbytes)
+        except MemoryError as exc:
+            self._release(nbytes)
+            raise OutOfMemoryError(f"{self.name}: cannot allocate {nbytes} bytes of host RAM to emulate it") from exc
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self.allocated -= nbytes
+
+
+def parse_emulated_devices(spec: str | None) -> list[EMUDevice]:
+    """Devices from ``"EMU0=3000MiB,EMU1=1000MiB:max_alloc=256MiB"``; empty for None/"".
+
+    Raises:
+        RequestError: a malformed entry, name or option.
+    """
+    devices: list[EMUDevice] = []
+    if not spec or not spec.strip():
+        return devices
+    seen: set[int] = set()
+    for entry in spec.split(","):
+        head, *options = entry.strip().split(":")
+        name, eq, size = head.partition("=")
+        m = _NAME.match(name.strip())
+        if not eq or m is None:
+            raise RequestError(f"invalid emulated device '{entry.strip()}' (expected e.g. EMU0=3000MiB)")
+        index = int(m.group(1))
+        if index in seen:
+            raise RequestError(f"emulated device EMU{index} is declared twice")
+        seen.add(index)
+        kwargs: dict[str, Any] = {}
+        for option in options:
+            key, _, value = option.strip().partition("=")
+            if key == "max_alloc" and value:
+                kwargs["max_alloc"] = parse_size(value)
+            elif key == "unsupported" and value:
+                kwargs["unsupported"] = frozenset(v.strip() for v in value.split("+") if v.strip())
+            elif key == "no_mmap" and not value:
+                kwargs["mmap_support"] = False
+            elif key == "sync" and not value:
+                kwargs["sync"] = True
+            else:
+                raise RequestError(
+                    f"unknown option '{option}' for emulated device EMU{index} "
+                    "(known: max_alloc=SIZE, unsupported=A+B, no_mmap, sync)"
+                )
+        devices.append(EMUDevice(index, parse_size(size), **kwargs))
+    return devices

@@ -1,0 +1,209 @@
+"""From placed tensors to buffers: one context per buffer type, wrapped file ranges under
+mmap, allocations split at a device's largest allocation (llama.cpp's buffer creation in
+``load_tensors`` and ``ggml_backend_alloc_ctx_tensors_from_buft``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import PlacementError
+from service.io.align import align_up
+from service.loader.devices import MAPPED_BUFFER_NAME, BufferType, Device
+from service.loader.ranges import Range, merge_ranges, subtract_ranges
+from service.loader.weights import WeightIndex
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlacement:
+    """Where one tensor goes.
+
+    Attributes:
+        name: the tensor name.
+        ggml_type: its ggml type name.
+        nbytes: its size in bytes.
+        file_index: the split holding its data.
+        offset: absolute byte offset of its data in that file.
+        layer: ``input``, ``blk.N`` or ``output``.
+        layer_class: ``input``, ``repeating`` or ``output``.
+        op: the op that consumes it.
+        device: the device whose memory holds it.
+        buffer_type: its buffer type (its context).
+        role: ``weight``, or ``tied_output`` for the second copy of ``token_embd.weight``
+            that serves as the output weight on a device.
+        override: index of the ``-ot`` override that chose its buffer type, or None.
+    """
+
+    name: str
+    ggml_type: str
+    nbytes: int
+    file_index: int
+    offset: int
+    layer: str
+    layer_class: str
+    op: str
+    device: str
+    buffer_type: str
+    role: str = "weight"
+    override: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "type": self.ggml_type,
+            "bytes": self.nbytes,
+            "layer": self.layer,
+            "layer_class": self.layer_class,
+            "op": self.op,
+            "device": self.device,
+            "buffer_type": self.buffer_type,
+            "role": self.role,
+            "override": self.override,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BufferPlan:
+    """One model buffer.
+
+    Attributes:
+        name: the name llama.cpp prints (``CPU_Mapped`` for a wrapped file range, else
+            the buffer type's name).
+        buffer_type: the buffer type of its context.
+        device: the device that owns the buffer type.
+        memory: where its bytes live: the owning device, or ``CPU`` for host buffers.
+        nbytes: its size in bytes.
+        mapped: it wraps ``file_range`` of file ``file_index`` in the mapping.
+        host: it lives in host memory.
+        chunks: sizes of the allocations it is made of (several when the device's largest
+            allocation is smaller than the buffer); ``(nbytes,)`` for a mapped buffer.
+        tensors: indices into the plan's tensors of the tensors it holds.
+        file_index: for a mapped buffer, the file; else None.
+        file_range: for a mapped buffer, ``[start, end)`` in the file; else None.
+    """
+
+    name: str
+    buffer_type: str
+    device: str
+    memory: str
+    nbytes: int
+    mapped: bool
+    host: bool
+    chunks: tuple[int, ...]
+    tensors: tuple[int, ...]
+    file_index: int | None = None
+    file_range: Range | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "buffer_type": self.buffer_type,
+            "device": self.device,
+            "memory": self.memory,
+            "bytes": self.nbytes,
+            "mib": round(self.nbytes / MiB, 2),
+            "mapped": self.mapped,
+            "host": self.host,
+            "chunks": list(self.chunks),
+            "n_tensors": len(self.tensors),
+            "file_index": self.file_index,
+            "file_range": list(self.file_range) if self.file_range else None,
+        }
+
+
+def _chunks(
+    buft: BufferType, members: Sequence[int], tensors: Sequence[TensorPlacement]
+) -> tuple[tuple[int, ...], int]:
+    """Allocation sizes of a context (tensors padded to the alignment, a new allocation
+    whenever the next tensor would pass ``max_size``) and the total.
+
+    Raises:
+        PlacementError: a tensor larger than ``max_size``.
+    """
+    limit = buft.max_size
+    sizes: list[int] = []
+    cur = 0
+    for i in members:
+        t = tensors[i]
+        size = align_up(t.nbytes, buft.alignment)
+        if limit is not None and size > limit:
+            raise PlacementError(
+                f"tensor '{t.name}' is too large to fit in a {buft.name} buffer "
+                f"(tensor size: {size} bytes, largest allocation: {limit} bytes)",
+                tensor=t.name,
+            )
+        if limit is not None and cur and cur + size > limit:
+            sizes.append(cur)
+            cur = 0
+        cur += size
+    sizes.append(cur)
+    return tuple(sizes), sum(sizes)
+
+
+def build_buffers(
+    index: WeightIndex,
+    tensors: Sequence[TensorPlacement],
+    bufts: dict[str, tuple[Device, BufferType]],
+    *,
+    use_mmap: bool,
+) -> list[BufferPlan]:
+    """The buffers of every context, in llama.cpp's order (contexts by buffer type name;
+    within a context, files in order and their ranges in order).
+
+    Under mmap, a context whose buffer type is its device's default and whose device can
+    wrap host memory (the CPU) wraps the file ranges its tensors cover, minus the ranges
+    of other contexts' tensors, merged (``get_mapping_ranges``): one ``CPU_Mapped``
+    buffer per range. Ranges separated only by the alignment padding after a tensor
+    merge, since that padding belongs to no tensor. Other contexts are allocated.
+
+    Raises:
+        PlacementError: a tensor larger than its device's largest allocation.
+    """
+    members: dict[str, list[int]] = {}
+    for i, t in enumerate(tensors):
+        members.setdefault(t.buffer_type, []).append(i)
+    buffers: list[BufferPlan] = []
+    for name in sorted(members):
+        dev, buft = bufts[name]
+        own_idx = members[name]
+        memory = "CPU" if buft.is_host else dev.name
+        wraps = use_mmap and dev.caps.buffer_from_host_ptr and buft is dev.default_buffer_type
+        if not wraps:
+            chunks, total = _chunks(buft, own_idx, tensors)
+            buffers.append(BufferPlan(name, name, dev.name, memory, total, False, buft.is_host, chunks, tuple(own_idx)))
+            continue
+        own_names = {tensors[i].name for i in own_idx}
+        for file_index, gguf_file in enumerate(index.files):
+            own = [(tensors[i].offset, tensors[i].offset + tensors[i].nbytes) for i in own_idx]
+            own = [r for r, i in zip(own, own_idx, strict=True) if tensors[i].file_index == file_index and r[1] > r[0]]
+            if not own:
+                continue
+            other = [
+                (t.offset, t.offset + t.nbytes)
+                for t in tensors
+                if t.buffer_type != name and t.file_index == file_index and t.name not in own_names and t.nbytes
+            ]
+            ranges = subtract_ranges(merge_ranges(own, slack=gguf_file.alignment), merge_ranges(other, slack=1))
+            for start, end in ranges:
+                held = tuple(
+                    i for i in own_idx if tensors[i].file_index == file_index and start <= tensors[i].offset < end
+                )
+                buffers.append(
+                    BufferPlan(
+                        MAPPED_BUFFER_NAME,
+                        name,
+                        dev.name,
+                        "CPU",
+                        end - start,
+                        True,
+                        True,
+                        (end - start,),
+                        held,
+                        file_index,
+                        (start, end),
+                    )
+                )
+    return buffers

@@ -1,0 +1,353 @@
+"""``plan``: where every tensor of a model goes, decided before any tensor data is read
+(llama.cpp's device selection, ``load_tensors`` and ``create_tensor``), as data.
+
+The same function serves a dry run (``hoist plan``, ``POST /v1/plans``) and a load, so
+what a plan says is what a load allocates.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.errors import PlacementError
+from service.loader.devices import BufferType, Device
+from service.loader.placement.buffers import BufferPlan, MiB, TensorPlacement, build_buffers
+from service.loader.placement.bufts import BuftList, cpu_buft_list, gpu_buft_list, select_weight_buft
+from service.loader.placement.devices import layer_device, select_devices, split_points
+from service.loader.placement.params import LoadMode, PlacementParams
+from service.loader.tensor_classes import LayerClass, classify
+from service.loader.weights import WeightIndex, layer_of
+
+logger = logging.getLogger(__name__)
+
+OVERRIDE_CPU_WITH_MMAP = (
+    "tensor overrides to CPU are used with mmap enabled - consider using --load-mode none for better performance"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MovedTensors:
+    """Tensors that could not use the first buffer type of their list (llama.cpp logs
+    the first of them and how many others)."""
+
+    count: int
+    first_tensor: str
+    first_type: str
+    from_buffer_type: str
+    to_buffer_type: str
+
+    def line(self) -> str:
+        return (
+            f"tensor '{self.first_tensor}' ({self.first_type}) (and {self.count - 1} others) cannot be used "
+            f"with preferred buffer type {self.from_buffer_type}, using {self.to_buffer_type} instead"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceUse:
+    """What the plan allocates in one device's memory.
+
+    Attributes:
+        device: the device (``CPU`` for host memory, host buffer types included).
+        allocated: bytes the plan allocates there.
+        mapped: bytes wrapped from file mappings there (CPU only; not allocated).
+        free: the device's free memory when planned.
+        total: the device's total memory.
+        fits: ``allocated <= free`` (always True for a device reporting 0/0).
+    """
+
+    device: str
+    allocated: int
+    mapped: int
+    free: int
+    total: int
+
+    @property
+    def fits(self) -> bool:
+        return self.total == 0 or self.allocated <= self.free
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "allocated_bytes": self.allocated,
+            "mapped_bytes": self.mapped,
+            "free_bytes": self.free,
+            "total_bytes": self.total,
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete placement.
+
+    Attributes:
+        load_mode: the load mode asked for; ``use_mmap`` is what it resolved to.
+        n_layer: repeating layers of the model.
+        n_gpu_layers: layers to offload, counting the output layer (``-ngl``).
+        devices: the offload devices, in order.
+        splits: cumulative split points, one per device.
+        layers: ``input``, ``blk.0`` ... ``output`` -> device name.
+        tensors: every placed tensor in load order (the tied output copy included).
+        buffers: the model buffers, in the order llama.cpp prints them.
+        moved: tensors that fell back from their preferred buffer type, if any.
+        override_matches: tensors each ``-ot`` override placed, in override order.
+        warnings: warnings for the user.
+        device_use: allocation per device against its free memory.
+        show_offload: whether llama.cpp would print the offload lines (a GPU backend exists).
+    """
+
+    model: str
+    load_mode: LoadMode
+    use_mmap: bool
+    n_layer: int
+    n_gpu_layers: int
+    devices: tuple[str, ...]
+    splits: tuple[float, ...]
+    layers: dict[str, str]
+    tensors: tuple[TensorPlacement, ...]
+    buffers: tuple[BufferPlan, ...]
+    moved: MovedTensors | None
+    override_matches: tuple[int, ...]
+    warnings: tuple[str, ...]
+    device_use: tuple[DeviceUse, ...]
+    show_offload: bool = True
+    overrides: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every device's free memory holds what the plan allocates there."""
+        return all(u.fits for u in self.device_use)
+
+    def offload_lines(self) -> list[str]:
+        """llama.cpp's offload lines (``offloading K repeating layers to GPU`` undercounts
+        by one when -ngl exceeds n_layer; llama.cpp prints it so)."""
+        if not self.show_offload:
+            return []
+        n_gpu = min(self.n_gpu_layers, self.n_layer)
+        lines = []
+        if n_gpu > 0:
+            lines.append("offloading output layer to GPU")
+            n_gpu -= 1
+        lines.append(f"offloading {n_gpu} repeating layers to GPU")
+        lines.append(f"offloaded {min(self.n_gpu_layers, self.n_layer + 1)}/{self.n_layer + 1} layers to GPU")
+        return lines
+
+    def buffer_lines(self) -> list[str]:
+        """``%12s model buffer size = %8.2f MiB`` per buffer."""
+        return [f"{b.name:>12} model buffer size = {b.nbytes / MiB:8.2f} MiB" for b in self.buffers]
+
+    def lines(self) -> list[str]:
+        """The offload lines then the buffer lines."""
+        return self.offload_lines() + self.buffer_lines()
+
+    def to_dict(self, *, tensors: bool = True) -> dict[str, Any]:
+        """The plan as JSON-ready data (``tensors``: include every tensor's placement)."""
+        data: dict[str, Any] = {
+            "model": self.model,
+            "load_mode": self.load_mode.value,
+            "use_mmap": self.use_mmap,
+            "n_layer": self.n_layer,
+            "n_gpu_layers": self.n_gpu_layers,
+            "devices": list(self.devices),
+            "splits": list(self.splits),
+            "layers": self.layers,
+            "buffers": [b.to_dict() for b in self.buffers],
+            "devices_memory": [u.to_dict() for u in self.device_use],
+            "fits": self.fits,
+            "moved_tensors": None
+            if self.moved is None
+            else {
+                "count": self.moved.count,
+                "first": self.moved.first_tensor,
+                "from": self.moved.from_buffer_type,
+                "to": self.moved.to_buffer_type,
+                "line": self.moved.line(),
+            },
+            "overrides": [
+                {"override": o, "matched": n} for o, n in zip(self.overrides, self.override_matches, strict=True)
+            ],
+            "warnings": list(self.warnings),
+            "offload_lines": self.offload_lines(),
+            "lines": self.lines(),
+        }
+        if tensors:
+            data["tensors"] = [t.to_dict() for t in self.tensors]
+        return data
+
+
+def model_n_layer(index: WeightIndex) -> int:
+    """Repeating layers: ``<arch>.block_count``, at least one past the highest ``blk.N``."""
+    meta = index.metadata
+    arch = meta.get("general.architecture")
+    declared = meta.get(f"{arch}.block_count") if isinstance(arch, str) else None
+    highest = max((layer_of(name) for name in index.weights), default=-1)
+    n = declared if isinstance(declared, int) and not isinstance(declared, bool) and declared >= 0 else 0
+    return max(n, highest + 1)
+
+
+def resolve_mmap(load_mode: LoadMode, devices: Sequence[Device]) -> bool:
+    """Whether the file is mapped: ``auto`` maps unless a chosen device cannot use
+    mapped memory."""
+    maps = load_mode.maps
+    if maps is None:
+        return all(d.caps.mmap_support for d in devices)
+    return maps
+
+
+def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams) -> Plan:
+    """Place every tensor of ``index`` on ``devices`` as llama.cpp would.
+
+    Pure: reads only metadata and the devices' memory figures; allocates nothing.
+
+    Args:
+        index: the model.
+        devices: every device of the process (one of them the CPU).
+        params: the placement flags.
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        PlacementError: invalid ``main_gpu``, too many ``tensor_split`` values, split mode
+            ``row`` on a device without split buffers, an override to a buffer type no
+            device has, a tensor no buffer type accepts, or a tensor larger than its
+            device's largest allocation.
+    """
+    cpu = next((d for d in devices if d.type == "CPU"), None)
+    if cpu is None:
+        raise PlacementError("no CPU device")
+    chosen = select_devices(devices, params)
+    use_mmap = resolve_mmap(params.load_mode, chosen)
+    cpu_list = cpu_buft_list(devices, chosen, no_host=params.no_host)
+    gpu_lists = {d.name: gpu_buft_list(d, params.split_mode, cpu_list) for d in chosen}
+    points = split_points(chosen, params.tensor_split, cpu)
+    n_layer = model_n_layer(index)
+    ngl = n_layer + 1 if params.n_gpu_layers is None else params.n_gpu_layers
+
+    def layer_list(il: int) -> tuple[Device, BuftList]:
+        k = layer_device(il, n_layer, ngl, chosen, points)
+        return (cpu, cpu_list) if k < 0 else (chosen[k], gpu_lists[chosen[k].name])
+
+    layers = {"input": cpu.name}
+    layers.update({f"blk.{il}": layer_list(il)[0].name for il in range(n_layer)})
+    output_dev, output_list = layer_list(n_layer)
+    layers["output"] = output_dev.name
+
+    bufts: dict[str, tuple[Device, BufferType]] = {}
+    for dev in devices:
+        for bt in dev.buffer_types():
+            bufts.setdefault(bt.name, (dev, bt))
+    overrides = [(re.compile(o.pattern), o) for o in params.overrides]
+    for _, o in overrides:
+        if o.buffer_type not in bufts:
+            raise PlacementError(f"unknown buffer type '{o.buffer_type}' in tensor override '{o.pattern}'")
+    matches = [0] * len(overrides)
+    warnings: list[str] = []
+    moved: list[tuple[str, str, str, str]] = []
+
+    def choose(name: str, ggml_type: str, op: str, buft_list: BuftList) -> tuple[Device, BufferType, int | None]:
+        chosen_buft: tuple[Device, BufferType] | None = None
+        which: int | None = None
+        for k, (regex, o) in enumerate(overrides):
+            if regex.search(name):
+                matches[k] += 1
+                which = k
+                target = bufts[o.buffer_type]
+                if target[1] is cpu.default_buffer_type:
+                    # an override to CPU still selects within the CPU list
+                    chosen_buft = select_weight_buft(cpu_list, op, ggml_type)
+                    if use_mmap and OVERRIDE_CPU_WITH_MMAP not in warnings:
+                        warnings.append(OVERRIDE_CPU_WITH_MMAP)
+                else:
+                    chosen_buft = target
+                break
+        if chosen_buft is None:
+            chosen_buft = select_weight_buft(buft_list, op, ggml_type)
+            if chosen_buft is None:
+                raise PlacementError(f"failed to find a compatible buffer type for tensor {name}", tensor=name)
+        dev, buft = chosen_buft
+        if use_mmap and dev.host_buffer_type is buft:
+            # a pinned copy of mapped data would only waste memory
+            dev, buft = cpu, cpu.default_buffer_type
+        preferred = buft_list[0][1]
+        if buft is not preferred:
+            moved.append((name, ggml_type, preferred.name, buft.name))
+        return dev, buft, which
+
+    placed: list[TensorPlacement] = []
+    for w in index.weights.values():
+        cls = classify(w.name)
+        if cls.layer_class is LayerClass.INPUT:
+            layer, (_, buft_list) = "input", (cpu, cpu_list)
+        elif cls.layer_class is LayerClass.OUTPUT:
+            layer, buft_list = "output", output_list
+        else:
+            block = cls.block or 0
+            layer, (_, buft_list) = f"blk.{block}", layer_list(block)
+        ggml_type = w.info.ggml_type.name
+        dev, buft, which = choose(w.name, ggml_type, cls.op, buft_list)
+        placed.append(
+            TensorPlacement(
+                w.name, ggml_type, w.nbytes, w.file_index, w.offset, layer, cls.layer_class.value, cls.op,
+                dev.name if not buft.is_host else "CPU", buft.name, override=which,
+            )
+        )  # fmt: skip
+        bufts.setdefault(buft.name, (dev, buft))
+
+    if "output.weight" not in index.weights and "token_embd.weight" in index.weights:
+        # tied output: token_embd.weight also serves as the output weight; on another
+        # buffer type than its input copy it is a second tensor there
+        w = index.weights["token_embd.weight"]
+        ggml_type = w.info.ggml_type.name
+        dev, buft, which = choose(w.name, ggml_type, "MUL_MAT", output_list)
+        first = next(t for t in placed if t.name == w.name)
+        if buft.name != first.buffer_type:
+            placed.append(
+                TensorPlacement(
+                    w.name, ggml_type, w.nbytes, w.file_index, w.offset, "output", LayerClass.OUTPUT.value,
+                    "MUL_MAT", dev.name if not buft.is_host else "CPU", buft.name, role="tied_output", override=which,
+                )
+            )  # fmt: skip
+            bufts.setdefault(buft.name, (dev, buft))
+
+    buffers = build_buffers(index, placed, bufts, use_mmap=use_mmap)
+    use: dict[str, list[int]] = {}
+    for buf in buffers:
+        entry = use.setdefault(buf.memory, [0, 0])
+        entry[1 if buf.mapped else 0] += buf.nbytes
+    by_name = {d.name: d for d in devices}
+    device_use = []
+    for name, (allocated, mapped) in use.items():
+        mem = by_name[name].memory() if name in by_name else cpu.memory()
+        device_use.append(DeviceUse(name, allocated, mapped, mem.free, mem.total))
+    moved_info = None
+    if moved:
+        name, ggml_type, src, dst = moved[0]
+        moved_info = MovedTensors(len(moved), name, ggml_type, src, dst)
+    for k, n in enumerate(matches):
+        if n == 0:
+            o = overrides[k][1]
+            warnings.append(f"tensor override {k} ('{o.pattern}={o.buffer_type}') matched 0 tensors")
+    return Plan(
+        model=index.path,
+        load_mode=params.load_mode,
+        use_mmap=use_mmap,
+        n_layer=n_layer,
+        n_gpu_layers=ngl,
+        devices=tuple(d.name for d in chosen),
+        splits=tuple(points),
+        layers=layers,
+        tensors=tuple(placed),
+        buffers=tuple(buffers),
+        moved=moved_info,
+        override_matches=tuple(matches),
+        warnings=tuple(warnings),
+        device_use=tuple(device_use),
+        show_offload=any(d.type in ("GPU", "IGPU") for d in devices),
+        overrides=tuple(f"{o.pattern}={o.buffer_type}" for _, o in overrides),
+    )

@@ -1,0 +1,76 @@
+"""Conformance with what llama.cpp itself decided on the sample model
+(tests/data/oracle_configs.json): for every recorded configuration, the same flags on
+emulated devices of the same sizes give the same device per layer, the same
+``model buffer size`` lines and offload lines, or the same error."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.cli import _devices, _params, build_parser
+from service.errors import HoistError
+from service.loader.placement import plan
+from service.loader.weights import WeightIndex, open_model
+from tests.helpers import split_gguf
+
+ORACLE = json.loads((Path(__file__).resolve().parent.parent / "data" / "oracle_configs.json").read_text())
+
+pytestmark = pytest.mark.sample
+
+
+@pytest.fixture(scope="module")
+def models(sample_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, WeightIndex]:
+    split_dir = tmp_path_factory.mktemp("split3")
+    first = split_gguf(sample_path, split_dir / "gemma", [100, 100, 36])[0]
+    return {"sample": open_model(sample_path), "sample-split-3": open_model(first)}
+
+
+def _emulated(record: dict[str, Any]) -> str:
+    return ",".join(f"{d['name']}={d['memory']}" for d in record["devices"])
+
+
+@pytest.mark.parametrize("name", sorted(ORACLE))
+def test_oracle_record(name: str, models: dict[str, WeightIndex]) -> None:
+    record = ORACLE[name]
+    args = build_parser().parse_args(
+        ["plan", "MODEL", "--no-cuda", "--emulated-devices", _emulated(record), *shlex.split(record["flags"])]
+    )
+    devices = _devices(args)
+    if record.get("error"):
+        with pytest.raises(HoistError) as info:
+            plan(models[record["model"]], devices, _params(args, devices))
+        expected = record["error"][0]
+        if "unknown buffer type" in expected:
+            assert "unknown buffer type 'FOO'" in str(info.value)
+        else:
+            assert expected.split("error loading model: ")[1].replace("RPC0", "EMU0") in str(info.value)
+        return
+    p = plan(models[record["model"]], devices, _params(args, devices))
+    assert p.layers == record["layers"]
+    assert [(b.name, round(b.nbytes / (1 << 20), 2)) for b in p.buffers] == [
+        (b["buffer"], b["MiB"]) for b in record["model_buffers"]
+    ]
+    assert p.offload_lines() == record["offload_lines"]
+    assert p.fits
+
+
+def test_hoist_plan_prints_llama_cpp_lines(sample_path: Path) -> None:
+    record = ORACLE["A10"]
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "plan", str(sample_path), "--no-cuda",
+         "--emulated-devices", _emulated(record), *shlex.split(record["flags"])],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    expected = record["offload_lines"] + [
+        f"{b['buffer']:>12} model buffer size = {b['MiB']:8.2f} MiB" for b in record["model_buffers"]
+    ]
+    assert result.stdout.splitlines() == expected
+    assert "layers: input CPU; blk.0-8 CPU; blk.9-13 EMU0; blk.14-17 EMU1; output EMU1" in result.stderr
