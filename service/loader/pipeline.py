@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import BudgetExceededError, ByteOrderError, LoadCancelledError, RequestError
+from service.errors import BudgetExceededError, ByteOrderError, LoadCancelledError, RequestError, StorageError
 from service.io.align import align_up, aligned_empty
 from service.io.file import open_readonly, pread_into
 from service.io.mapping import Mapping
@@ -168,7 +168,13 @@ def _layout(index: WeightIndex, p: Plan, devices: Sequence[Device], res: _Resour
     if p.use_mmap:
         for file_index, gguf_file in enumerate(index.files):
             if any(t.file_index == file_index for t in p.tensors):
-                res.mappings[file_index] = Mapping(gguf_file.path)
+                mapping = res.mappings[file_index] = Mapping(gguf_file.path)
+                if mapping.size != gguf_file.file_size:
+                    raise StorageError(
+                        f"the file changed since its header was read: {gguf_file.file_size} bytes then, "
+                        f"{mapping.size} now",
+                        path=gguf_file.path,
+                    )
         res.steps = [
             _Step(s.tensor, s.file_index, s.path, s.offset, s.nbytes, res.mappings[s.file_index], s.dest, s.dest_offset)
             for s in res.steps
