@@ -26,7 +26,7 @@ from rich.text import Text
 from service import __version__
 from service.errors import HoistError
 from service.loader import pipeline
-from service.loader.devices import Device, discover_devices
+from service.loader.devices import Device, discover_devices, parse_size
 from service.loader.placement import LoadMode, PlacementParams, Plan, make_params, plan
 from service.loader.summary import printable, summarize, value_text
 from service.loader.weights import open_model
@@ -109,6 +109,15 @@ def _params(args: argparse.Namespace, devices: list[Device]) -> PlacementParams:
         override_tensor=args.override_tensor or [],
         no_host=args.no_host,
         load_mode=args.load_mode,
+        lazy_mode=args.lazy_mode,
+    )
+
+
+def _options(args: argparse.Namespace) -> pipeline.LoadOptions:
+    return pipeline.LoadOptions(
+        staging_buffers=args.staging_buffers,
+        staging_nbytes=None if args.staging_size is None else parse_size(args.staging_size),
+        check_tensors=args.check_tensors,
     )
 
 
@@ -185,7 +194,9 @@ async def _load(args: argparse.Namespace) -> int:
         bar.update(task, completed=p.bytes_done, total=p.bytes_total)
 
     try:
-        model = await pipeline.load_model(index, devices=devices, params=params, on_progress=on_progress)
+        model = await pipeline.load_model(
+            index, devices=devices, params=params, options=_options(args), on_progress=on_progress
+        )
     finally:
         if bar.live.is_started:
             bar.stop()
@@ -200,10 +211,14 @@ async def _load(args: argparse.Namespace) -> int:
                 "seconds": round(seconds, 4),
                 "plan": model.plan.to_dict(tensors=False),
                 "memory": model.report.to_dict(),
+                "warnings": model.warnings,
+                "stats": model.stats.to_dict(),
             }
             sys.stdout.write(json.dumps(data, indent=1) + "\n")
         else:
-            err.print(f"loaded {len(model)} tensors in {seconds:.2f} s ({model.load_mode})")
+            err.print(f"loaded {len(model)} tensors in {seconds:.2f} s ({model.plan.load_mode.value})")
+            for warning in model.warnings:
+                err.print(f"[yellow]warning:[/yellow] {escape(warning)}")
             _print_plan(model.plan, verbose=args.verbose)
     return 0
 
@@ -363,7 +378,32 @@ def _placement_options() -> argparse.ArgumentParser:
         choices=[m.value for m in LoadMode] + ["dio"],
         help="how tensor data gets into memory",
     )
-    return parent  # fmt: skip
+    parent.add_argument(
+        "-lzm",
+        "--lazy-mode",
+        default="auto",
+        choices=["off", "auto", "on"],
+        help="read per-layer embedding tables on demand: auto (above 4 GiB), on, off",
+    )
+    return parent
+
+
+def _load_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--check-tensors", action="store_true", help="validate tensor data (NaN/Inf values and scales) while loading"
+    )
+    parent.add_argument(
+        "--staging-buffers",
+        type=int,
+        default=pipeline.DEFAULT_STAGING_BUFFERS,
+        metavar="N",
+        help="staging buffers per device for uploads (default 4)",
+    )
+    parent.add_argument(
+        "--staging-size", default=None, metavar="SIZE", help="staging buffer size (default 1MiB; 64MiB with direct-io)"
+    )
+    return parent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -388,7 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON, every tensor included")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("load", help="load a model onto its devices and print the memory report", parents=[dev, place])
+    p = sub.add_parser(
+        "load", help="load a model onto its devices and print the memory report", parents=[dev, place, _load_options()]
+    )
     p.add_argument("path", help="the GGUF file, or the first split of a split model")
     p.add_argument("-v", "--verbose", action="store_true", help="also show tensors moved off their buffer type")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

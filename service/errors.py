@@ -12,7 +12,8 @@ escaping is a bug. ``service.api.errors`` maps each class to an HTTP status in o
     │   ├── TruncatedError           the file ends inside a header structure
     │   ├── MetadataError            a KV pair is invalid (duplicate key, type, alignment)
     │   ├── TensorInfoError          a tensor info is invalid (name, n_dims, ne, type, offset)
-    │   └── TensorBoundsError        a tensor's data lies outside its file
+    │   ├── TensorBoundsError        a tensor's data lies outside its file
+    │   └── InvalidDataError         tensor data holds NaN/Inf values or scales (check-tensors)
     ├── SplitError                   split files that do not form one model
     ├── ByteOrderError               big-endian tensor data on a little-endian host
     ├── StorageError                 the OS refused a file operation (open, read, mmap)
@@ -125,6 +126,26 @@ class TensorBoundsError(FormatError):
     """A tensor's data ``[offset, offset + nbytes)`` does not lie inside its file."""
 
     code = "tensor_out_of_bounds"
+
+
+class InvalidDataError(FormatError):
+    """Tensor data failed the row-data validation of check-tensors (NaN or Inf values or
+    block scales); the message lists every bad tensor.
+
+    Attributes:
+        tensors: tensor name -> what was found first in it.
+    """
+
+    code = "invalid_tensor_data"
+
+    def __init__(self, message: str, *, tensors: dict[str, str], **kwargs: Any) -> None:
+        self.tensors = tensors
+        super().__init__(message, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["tensors"] = dict(self.tensors)
+        return data
 
 
 class SplitError(HoistError):

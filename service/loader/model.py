@@ -98,6 +98,8 @@ class LoadedTensor:
             (for quantized types the last axis is the row's bytes). On a CUDA device a
             ``torch.uint8`` tensor of the raw bytes. SAFETY: valid until the model is
             closed; under ``mmap`` a read-only view of the file mapping.
+        lazy: read on demand: ``data`` is a view of the file mapping whose pages are read
+            from disk when first touched.
     """
 
     name: str
@@ -107,6 +109,7 @@ class LoadedTensor:
     buffer_type: str
     device: str
     data: np.ndarray[Any, np.dtype[Any]]
+    lazy: bool = False
 
 
 class LoadedModel:
@@ -123,6 +126,8 @@ class LoadedModel:
         tied_output: the second copy of ``token_embd.weight`` that serves as the output
             weight on a device (models without ``output.weight``), if any.
         report: the memory report.
+        warnings: what the user should know (mlock limits, direct I/O fallbacks, ...).
+        stats: how the bytes moved (bytes per branch, staging pools, direct I/O).
     """
 
     def __init__(
@@ -134,6 +139,8 @@ class LoadedModel:
         release: Callable[[], None],
         *,
         tied_output: LoadedTensor | None = None,
+        warnings: list[str] | None = None,
+        stats: Any = None,
     ) -> None:
         self.index = index
         self.plan = plan
@@ -141,6 +148,8 @@ class LoadedModel:
         self.tensors = tensors
         self.tied_output = tied_output
         self.report = report
+        self.warnings = list(warnings or [])
+        self.stats = stats
         self._release: Callable[[], None] | None = release
 
     @property

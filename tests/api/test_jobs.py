@@ -7,15 +7,14 @@ import gc
 import threading
 import tracemalloc
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 
 from service.api.jobs import JobManager, JobState, LoadJob
-from service.loader import pipeline
 from service.loader.devices import CPUDevice
+from service.loader.pipeline.worker import Worker
 from service.loader.placement import PlacementParams, plan
 from service.loader.weights import open_model
 from tests.helpers import write_fixture
@@ -44,14 +43,12 @@ async def test_a_cancelled_load_frees_its_memory(tmp_path: Path, monkeypatch: py
     f32 = gguf.GGMLQuantizationType.F32
     write_fixture(models / "big.gguf", tensors={"w": (np.ones(8 << 20, dtype=np.float32), f32)})  # 32 MiB
     inside = threading.Event()
-    real = pipeline._run_steps
 
-    def gated(steps: Any, chunk: int, cancel: threading.Event, report: Any) -> None:
-        real(steps[:0], chunk, cancel, report)
+    def gated(self: Worker) -> None:
         inside.set()
-        cancel.wait(30)
+        self.cancel.wait(30)
 
-    monkeypatch.setattr(pipeline, "_run_steps", gated)
+    monkeypatch.setattr(Worker, "_work", gated)
     jobs = JobManager(str(models), [CPUDevice()])
     tracemalloc.start()
     try:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.loader import pipeline
+from service.loader.pipeline.worker import Worker
 from tests.helpers import Fixture, write_fixture
 
 
@@ -87,14 +87,14 @@ def test_the_service_answers_while_a_load_runs(
 ) -> None:
     gate = threading.Event()
     entered = threading.Event()
-    real_run_steps = pipeline._run_steps
+    real_work = Worker._work
 
-    def gated(*args: Any, **kwargs: Any) -> None:
+    def gated(self: Worker) -> None:
         entered.set()
         assert gate.wait(30)
-        real_run_steps(*args, **kwargs)
+        real_work(self)
 
-    monkeypatch.setattr(pipeline, "_run_steps", gated)
+    monkeypatch.setattr(Worker, "_work", gated)
     name = put(models_dir, all_types_fixture)
     with httpx.Client(base_url=live_server, timeout=5) as client:
         location = client.post("/v1/loads", json={"model": name}).headers["location"]
@@ -111,14 +111,14 @@ def test_cancel_a_running_load(
     live_server: str, models_dir: Path, all_types_fixture: Fixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = threading.Event()
-    real_run_steps = pipeline._run_steps
+    real_work = Worker._work
 
-    def gated(steps: Any, chunk: int, cancel: threading.Event, report: Any) -> None:
+    def gated(self: Worker) -> None:
         gate.set()
-        cancel.wait(30)
-        real_run_steps(steps, chunk, cancel, report)
+        self.cancel.wait(30)
+        real_work(self)
 
-    monkeypatch.setattr(pipeline, "_run_steps", gated)
+    monkeypatch.setattr(Worker, "_work", gated)
     name = put(models_dir, all_types_fixture)
     with httpx.Client(base_url=live_server, timeout=5) as client:
         location = client.post("/v1/loads", json={"model": name}).headers["location"]

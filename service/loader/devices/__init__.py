@@ -1,6 +1,16 @@
 """Devices that hold model buffers (llama.cpp's ``ggml_backend_dev``)."""
 
-from service.loader.devices.base import BufferType, Device, DeviceBuffer, DeviceCaps, DeviceMemory, HostBuffer
+from service.loader.devices.base import (
+    BufferType,
+    Device,
+    DeviceBuffer,
+    DeviceCaps,
+    DeviceMemory,
+    DoneEvent,
+    Event,
+    HostBuffer,
+    Stream,
+)
 from service.loader.devices.cpu import CPU_BUFFER_TYPE, MAPPED_BUFFER_NAME, CPUDevice
 from service.loader.devices.emulated import EMUDevice, parse_emulated_devices, parse_size
 from service.loader.devices.registry import discover_devices
@@ -14,8 +24,11 @@ __all__ = [
     "DeviceBuffer",
     "DeviceCaps",
     "DeviceMemory",
+    "DoneEvent",
     "EMUDevice",
+    "Event",
     "HostBuffer",
+    "Stream",
     "discover_devices",
     "parse_emulated_devices",
     "parse_size",

@@ -71,6 +71,43 @@ class BufferType:
     max_size: int | None = None
 
 
+class Event(ABC):
+    """Completion of work queued on a stream (llama.cpp's ``ggml_backend_event``)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until the work recorded by this event is done; re-raises its error."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True when the work is done."""
+
+
+class DoneEvent(Event):
+    """An event that has already happened (synchronous work)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class Stream(ABC):
+    """An ordered queue of asynchronous copies to one device (a CUDA stream; a worker
+    thread for emulated devices). Owned by one load; closed when it ends."""
+
+    @abstractmethod
+    def upload(self, dest: DeviceBuffer, dest_offset: int, src: DeviceBuffer, src_offset: int, nbytes: int) -> Event:
+        """Queue a copy of ``nbytes`` from host buffer ``src`` (a staging buffer of the
+        device's host buffer type) to ``dest``; returns the event that completes with it.
+        ``src`` must not be written again before the event completes."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Wait for queued copies and release the stream. Idempotent."""
+
+
 class DeviceBuffer(ABC):
     """Memory allocated on a device for a buffer of some buffer type.
 
@@ -192,6 +229,18 @@ class Device(ABC):
         Raises:
             OutOfMemoryError: the device cannot allocate ``nbytes``.
         """
+
+    def open_stream(self) -> Stream | None:
+        """A stream for asynchronous uploads, or None for a device without async copies
+        and events (which then takes synchronous writes)."""
+        return None
+
+    @property
+    def can_stage(self) -> bool:
+        """Whether uploads can be staged asynchronously: async copies, events and a host
+        buffer type (llama.cpp's conditions for its upload backend)."""
+        c = self.caps
+        return c.async_ and c.events and c.host_buffer and self.host_buffer_type is not None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready description with current memory."""

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from service.errors import OutOfMemoryError
-from service.loader.devices.base import BufferType, Device, DeviceBuffer, DeviceCaps, DeviceMemory
+from service.loader.devices.base import BufferType, Device, DeviceBuffer, DeviceCaps, DeviceMemory, Event, Stream
 
 CUDA_HOST_BUFFER_TYPE_NAME = "CUDA_Host"
 
@@ -57,7 +57,7 @@ class PinnedBuffer(DeviceBuffer):
     def __init__(self, buffer_type: BufferType, tensor: Any) -> None:
         self.buffer_type = buffer_type
         self.nbytes = int(tensor.numel())
-        self._tensor: Any = tensor
+        self.tensor: Any = tensor
         self.data: np.ndarray[Any, np.dtype[np.uint8]] = tensor.numpy()
 
     def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
@@ -71,7 +71,45 @@ class PinnedBuffer(DeviceBuffer):
 
     def free(self) -> None:
         self.data = np.empty(0, dtype=np.uint8)
-        self._tensor = None
+        self.tensor = None
+
+
+class CUDAEvent(Event):
+    """A ``torch.cuda.Event`` recorded on an upload stream."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+    def query(self) -> bool:
+        return bool(self._event.query())
+
+
+class CUDAStream(Stream):
+    """Non-blocking copies from pinned staging memory on a dedicated CUDA stream, each
+    recorded with a CUDA event."""
+
+    def __init__(self, index: int) -> None:
+        torch = _torch()
+        self._stream: Any = torch.cuda.Stream(device=index)
+
+    def upload(self, dest: DeviceBuffer, dest_offset: int, src: DeviceBuffer, src_offset: int, nbytes: int) -> Event:
+        torch = _torch()
+        assert isinstance(dest, CUDABuffer) and isinstance(src, PinnedBuffer)
+        with torch.cuda.stream(self._stream):
+            dest.tensor[dest_offset : dest_offset + nbytes].copy_(
+                src.tensor[src_offset : src_offset + nbytes], non_blocking=True
+            )
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return CUDAEvent(event)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+            self._stream = None
 
 
 class CUDADevice(Device):
@@ -91,6 +129,9 @@ class CUDADevice(Device):
             host_buffer_type=BufferType(CUDA_HOST_BUFFER_TYPE_NAME, name, is_host=True, alignment=32),
         )
         self.index = index
+
+    def open_stream(self) -> Stream | None:
+        return CUDAStream(self.index)
 
     def memory(self) -> DeviceMemory:
         free, total = _torch().cuda.mem_get_info(self.index)

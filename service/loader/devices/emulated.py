@@ -15,20 +15,34 @@ Declared as ``NAME=SIZE[:option...]`` separated by commas, e.g.
   refuses, so that weights using them fall back along the buffer type list.
 - ``no_mmap``: the device cannot load from mapped memory (``auto`` then reads).
 - ``sync``: no async copies, events or host buffer type (the synchronous fallback).
+- ``bandwidth=SIZE``: upload bytes per second, to emulate a bus (copies take that long).
 
 A size of 0 declares a device that reports 0/0 memory (as some backends do).
 """
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from service.errors import OutOfMemoryError, RequestError
-from service.loader.devices.base import BufferType, Device, DeviceBuffer, DeviceCaps, DeviceMemory, HostBuffer
+from service.io.align import aligned_empty
+from service.loader.devices.base import (
+    BufferType,
+    Device,
+    DeviceBuffer,
+    DeviceCaps,
+    DeviceMemory,
+    Event,
+    HostBuffer,
+    Stream,
+)
 
 _UNITS = {
     "": 1,
@@ -67,7 +81,7 @@ class EMUBuffer(DeviceBuffer):
         self.device = device
         self.buffer_type = buffer_type
         self.nbytes = nbytes
-        self._data: np.ndarray[Any, np.dtype[np.uint8]] | None = np.empty(nbytes, dtype=np.uint8)
+        self._data: np.ndarray[Any, np.dtype[np.uint8]] | None = aligned_empty(nbytes)
 
     @property
     def data(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -90,6 +104,73 @@ class EMUBuffer(DeviceBuffer):
             self.device._release(self.nbytes)
 
 
+class _ThreadEvent(Event):
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+class EMUStream(Stream):
+    """Uploads to an emulated device on a worker thread, in order, each completing an
+    event (as a CUDA stream would); ``bandwidth`` bytes per second, if given, paces them."""
+
+    def __init__(self, device: EMUDevice) -> None:
+        self.device = device
+        self._queue: queue.Queue[tuple[Callable[[], None], _ThreadEvent] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"hoist-{device.name}-stream", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, event = item
+            try:
+                work()
+            except BaseException as exc:  # delivered through the event
+                event.set(exc)
+            else:
+                event.set()
+
+    def upload(self, dest: DeviceBuffer, dest_offset: int, src: DeviceBuffer, src_offset: int, nbytes: int) -> Event:
+        if self._closed:
+            raise RuntimeError(f"{self.device.name} stream is closed")
+        event = _ThreadEvent()
+        bandwidth = self.device.bandwidth
+
+        def work() -> None:
+            started = time.perf_counter()
+            dest.write(dest_offset, src.view(src_offset, nbytes))
+            if bandwidth:
+                remaining = nbytes / bandwidth - (time.perf_counter() - started)
+                if remaining > 0:
+                    time.sleep(remaining)
+
+        self._queue.put((work, event))
+        return event
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+
+
 class EMUDevice(Device):
     """An emulated discrete GPU.
 
@@ -100,6 +181,7 @@ class EMUDevice(Device):
         unsupported: op and ggml type names the device refuses.
         mmap_support: whether it can load from mapped memory.
         sync: no async copies, events or host buffer type.
+        bandwidth: upload bytes per second (None: as fast as memory copies go).
     """
 
     def __init__(
@@ -111,6 +193,7 @@ class EMUDevice(Device):
         unsupported: frozenset[str] = frozenset(),
         mmap_support: bool = True,
         sync: bool = False,
+        bandwidth: int | None = None,
     ) -> None:
         name = f"EMU{index}"
         super().__init__(
@@ -133,7 +216,11 @@ class EMUDevice(Device):
         )
         self.total = total
         self.allocated = 0
+        self.bandwidth = bandwidth
         self._lock = threading.Lock()
+
+    def open_stream(self) -> Stream | None:
+        return EMUStream(self) if self.caps.async_ else None
 
     def memory(self) -> DeviceMemory:
         if self.total == 0:
@@ -201,10 +288,12 @@ def parse_emulated_devices(spec: str | None) -> list[EMUDevice]:
                 kwargs["mmap_support"] = False
             elif key == "sync" and not value:
                 kwargs["sync"] = True
+            elif key == "bandwidth" and value:
+                kwargs["bandwidth"] = parse_size(value)
             else:
                 raise RequestError(
                     f"unknown option '{option}' for emulated device EMU{index} "
-                    "(known: max_alloc=SIZE, unsupported=A+B, no_mmap, sync)"
+                    "(known: max_alloc=SIZE, unsupported=A+B, no_mmap, sync, bandwidth=SIZE)"
                 )
         devices.append(EMUDevice(index, parse_size(size), **kwargs))
     return devices

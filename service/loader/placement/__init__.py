@@ -2,6 +2,7 @@
 
 from service.loader.placement.buffers import BufferPlan, TensorPlacement
 from service.loader.placement.params import (
+    LazyMode,
     LoadMode,
     PlacementParams,
     SplitMode,
@@ -16,6 +17,7 @@ from service.loader.placement.plan import DeviceUse, MovedTensors, Plan, plan
 __all__ = [
     "BufferPlan",
     "DeviceUse",
+    "LazyMode",
     "LoadMode",
     "MovedTensors",
     "Plan",

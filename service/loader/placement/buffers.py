@@ -35,6 +35,7 @@ class TensorPlacement:
         role: ``weight``, or ``tied_output`` for the second copy of ``token_embd.weight``
             that serves as the output weight on a device.
         override: index of the ``-ot`` override that chose its buffer type, or None.
+        lazy: read on demand: kept in its own CPU context, always mapped, not loaded.
     """
 
     name: str
@@ -49,6 +50,12 @@ class TensorPlacement:
     buffer_type: str
     role: str = "weight"
     override: int | None = None
+    lazy: bool = False
+
+    @property
+    def context(self) -> tuple[bool, str]:
+        """The context key: (lazy, buffer type); contexts sort by it."""
+        return (self.lazy, self.buffer_type)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +69,7 @@ class TensorPlacement:
             "buffer_type": self.buffer_type,
             "role": self.role,
             "override": self.override,
+            "lazy": self.lazy,
         }
 
 
@@ -80,6 +88,7 @@ class BufferPlan:
         host: it lives in host memory.
         chunks: sizes of the allocations it is made of (several when the device's largest
             allocation is smaller than the buffer); ``(nbytes,)`` for a mapped buffer.
+        lazy: it belongs to the context of lazily read tensors.
         tensors: indices into the plan's tensors of the tensors it holds.
         file_index: for a mapped buffer, the file; else None.
         file_range: for a mapped buffer, ``[start, end)`` in the file; else None.
@@ -96,10 +105,12 @@ class BufferPlan:
     tensors: tuple[int, ...]
     file_index: int | None = None
     file_range: Range | None = None
+    lazy: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
+            "lazy": self.lazy,
             "buffer_type": self.buffer_type,
             "device": self.device,
             "memory": self.memory,
@@ -150,30 +161,35 @@ def build_buffers(
     *,
     use_mmap: bool,
 ) -> list[BufferPlan]:
-    """The buffers of every context, in llama.cpp's order (contexts by buffer type name;
-    within a context, files in order and their ranges in order).
+    """The buffers of every context, in llama.cpp's order (contexts by (lazy, buffer type
+    name); within a context, files in order and their ranges in order).
 
-    Under mmap, a context whose buffer type is its device's default and whose device can
-    wrap host memory (the CPU) wraps the file ranges its tensors cover, minus the ranges
-    of other contexts' tensors, merged (``get_mapping_ranges``): one ``CPU_Mapped``
-    buffer per range. Ranges separated only by the alignment padding after a tensor
-    merge, since that padding belongs to no tensor. Other contexts are allocated.
+    Under mmap (and always for the lazy context), a context whose buffer type is its
+    device's default and whose device can wrap host memory (the CPU) wraps the file
+    ranges its tensors cover, minus the ranges of other contexts' tensors, merged
+    (``get_mapping_ranges``): one ``CPU_Mapped`` buffer per range. Ranges separated only
+    by the alignment padding after a tensor merge, since that padding belongs to no
+    tensor. Other contexts are allocated.
 
     Raises:
         PlacementError: a tensor larger than its device's largest allocation.
     """
-    members: dict[str, list[int]] = {}
+    members: dict[tuple[bool, str], list[int]] = {}
     for i, t in enumerate(tensors):
-        members.setdefault(t.buffer_type, []).append(i)
+        members.setdefault(t.context, []).append(i)
     buffers: list[BufferPlan] = []
-    for name in sorted(members):
+    for key in sorted(members):
+        lazy, name = key
         dev, buft = bufts[name]
-        own_idx = members[name]
+        own_idx = members[key]
         memory = "CPU" if buft.is_host else dev.name
-        wraps = use_mmap and dev.caps.buffer_from_host_ptr and buft is dev.default_buffer_type
+        wraps = (use_mmap or lazy) and dev.caps.buffer_from_host_ptr and buft is dev.default_buffer_type
         if not wraps:
             chunks, total = _chunks(buft, own_idx, tensors)
-            buffers.append(BufferPlan(name, name, dev.name, memory, total, False, buft.is_host, chunks, tuple(own_idx)))
+            held = tuple(own_idx)
+            buffers.append(
+                BufferPlan(name, name, dev.name, memory, total, False, buft.is_host, chunks, held, lazy=lazy)
+            )
             continue
         own_names = {tensors[i].name for i in own_idx}
         for file_index, gguf_file in enumerate(index.files):
@@ -184,7 +200,7 @@ def build_buffers(
             other = [
                 (t.offset, t.offset + t.nbytes)
                 for t in tensors
-                if t.buffer_type != name and t.file_index == file_index and t.name not in own_names and t.nbytes
+                if t.context != key and t.file_index == file_index and t.name not in own_names and t.nbytes
             ]
             ranges = subtract_ranges(merge_ranges(own, slack=gguf_file.alignment), merge_ranges(other, slack=1))
             for start, end in ranges:
@@ -204,6 +220,7 @@ def build_buffers(
                         held,
                         file_index,
                         (start, end),
+                        lazy,
                     )
                 )
     return buffers

@@ -51,6 +51,31 @@ class LoadMode(StrEnum):
         return self in (LoadMode.MMAP, LoadMode.MMAP_MLOCK)
 
 
+class LazyMode(StrEnum):
+    """On-demand reading of the tensors llama.cpp marks for it (``-lzm/--lazy-mode``):
+    ``off`` keeps them resident, ``auto`` reads those larger than 4 GiB on demand, ``on``
+    all of them."""
+
+    OFF = "off"
+    AUTO = "auto"
+    ON = "on"
+
+    @classmethod
+    def parse(cls, value: str) -> LazyMode:
+        """The lazy mode named ``value``. Raises RequestError."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise RequestError(f"unknown lazy mode '{value}' (expected off, auto or on)") from None
+
+
+LAZY_ELIGIBLE = frozenset({"per_layer_token_embd.weight"})
+"""Tensors read on demand when lazy reading applies (per-layer embedding tables)."""
+
+LAZY_AUTO_MIN_NBYTES = 4 << 30
+"""``auto`` reads a tensor on demand only above this size (4 GiB)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TensorOverride:
     """One ``-ot PATTERN=BUFT``: tensors whose name matches ``pattern`` (searched, not
@@ -141,6 +166,7 @@ class PlacementParams:
         overrides: ``-ot`` overrides in order; the first that matches a tensor wins.
         no_host: leave the device's pinned host buffer type out of the CPU list.
         load_mode: the load mode (whether the file is mapped matters to placement).
+        lazy_mode: which eligible tensors are read on demand.
     """
 
     n_gpu_layers: int | None = None
@@ -150,6 +176,7 @@ class PlacementParams:
     overrides: tuple[TensorOverride, ...] = field(default_factory=tuple)
     no_host: bool = False
     load_mode: LoadMode = LoadMode.MMAP
+    lazy_mode: LazyMode = LazyMode.AUTO
 
 
 def make_params(
@@ -162,13 +189,14 @@ def make_params(
     override_tensor: Iterable[str] = (),
     no_host: bool = False,
     load_mode: str = "auto",
+    lazy_mode: str = "auto",
 ) -> PlacementParams:
     """Placement parameters from llama.cpp-style flag values, as the CLI and the API take
     them. ``buffer_types`` are the names ``-ot`` may use (each device's default buffer
     type).
 
     Raises:
-        RequestError: an invalid ``-ngl``, ``-sm``, ``-ts`` or ``-lm`` value.
+        RequestError: an invalid ``-ngl``, ``-sm``, ``-ts``, ``-lm`` or ``-lzm`` value.
         PlacementError: an invalid ``-ot`` override.
     """
     try:
@@ -183,4 +211,5 @@ def make_params(
         overrides=parse_overrides(override_tensor, buffer_types),
         no_host=no_host,
         load_mode=LoadMode.parse(load_mode),
+        lazy_mode=LazyMode.parse(lazy_mode),
     )

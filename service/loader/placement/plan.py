@@ -18,7 +18,13 @@ from service.loader.devices import BufferType, Device
 from service.loader.placement.buffers import BufferPlan, MiB, TensorPlacement, build_buffers
 from service.loader.placement.bufts import BuftList, cpu_buft_list, gpu_buft_list, select_weight_buft
 from service.loader.placement.devices import layer_device, select_devices, split_points
-from service.loader.placement.params import LoadMode, PlacementParams
+from service.loader.placement.params import (
+    LAZY_AUTO_MIN_NBYTES,
+    LAZY_ELIGIBLE,
+    LazyMode,
+    LoadMode,
+    PlacementParams,
+)
 from service.loader.tensor_classes import LayerClass, classify
 from service.loader.weights import WeightIndex, layer_of
 
@@ -87,6 +93,8 @@ class Plan:
 
     Attributes:
         load_mode: the load mode asked for; ``use_mmap`` is what it resolved to.
+        lazy_mode: the lazy mode in effect (``auto`` becomes ``off`` when a chosen device
+            cannot use mapped memory).
         n_layer: repeating layers of the model.
         n_gpu_layers: layers to offload, counting the output layer (``-ngl``).
         devices: the offload devices, in order.
@@ -104,6 +112,7 @@ class Plan:
     model: str
     load_mode: LoadMode
     use_mmap: bool
+    lazy_mode: LazyMode
     n_layer: int
     n_gpu_layers: int
     devices: tuple[str, ...]
@@ -151,6 +160,8 @@ class Plan:
             "model": self.model,
             "load_mode": self.load_mode.value,
             "use_mmap": self.use_mmap,
+            "lazy_mode": self.lazy_mode.value,
+            "lazy_tensors": [t.name for t in self.tensors if t.lazy],
             "n_layer": self.n_layer,
             "n_gpu_layers": self.n_gpu_layers,
             "devices": list(self.devices),
@@ -279,9 +290,18 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
             moved.append((name, ggml_type, preferred.name, buft.name))
         return dev, buft, which
 
+    lazy_mode = params.lazy_mode
+    if lazy_mode is LazyMode.AUTO and not all(d.caps.mmap_support for d in chosen):
+        lazy_mode = LazyMode.OFF
+
     placed: list[TensorPlacement] = []
     for w in index.weights.values():
         cls = classify(w.name)
+        lazy = (
+            w.name in LAZY_ELIGIBLE
+            and lazy_mode is not LazyMode.OFF
+            and (lazy_mode is LazyMode.ON or w.nbytes > LAZY_AUTO_MIN_NBYTES)
+        )
         if cls.layer_class is LayerClass.INPUT:
             layer, (_, buft_list) = "input", (cpu, cpu_list)
         elif cls.layer_class is LayerClass.OUTPUT:
@@ -290,11 +310,15 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
             block = cls.block or 0
             layer, (_, buft_list) = f"blk.{block}", layer_list(block)
         ggml_type = w.info.ggml_type.name
-        dev, buft, which = choose(w.name, ggml_type, cls.op, buft_list)
+        if lazy:
+            # read on demand from the mapping, on the CPU whatever -ngl says
+            dev, buft, which = cpu, cpu.default_buffer_type, None
+        else:
+            dev, buft, which = choose(w.name, ggml_type, cls.op, buft_list)
         placed.append(
             TensorPlacement(
                 w.name, ggml_type, w.nbytes, w.file_index, w.offset, layer, cls.layer_class.value, cls.op,
-                dev.name if not buft.is_host else "CPU", buft.name, override=which,
+                dev.name if not buft.is_host else "CPU", buft.name, override=which, lazy=lazy,
             )
         )  # fmt: skip
         bufts.setdefault(buft.name, (dev, buft))
@@ -337,6 +361,7 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
         model=index.path,
         load_mode=params.load_mode,
         use_mmap=use_mmap,
+        lazy_mode=lazy_mode,
         n_layer=n_layer,
         n_gpu_layers=ngl,
         devices=tuple(d.name for d in chosen),

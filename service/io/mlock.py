@@ -1,0 +1,74 @@
+"""Locking memory in RAM (llama.cpp's ``llama_mlock``): a region whose locked prefix
+grows as a load proceeds, with a clear warning, not an error, when the lock limit
+(``RLIMIT_MEMLOCK``) is too low."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+
+from service.io import libc
+from service.io.align import PAGE_SIZE, align_down, align_up
+
+logger = logging.getLogger(__name__)
+
+
+def memlock_limit() -> int | None:
+    """The soft ``RLIMIT_MEMLOCK`` in bytes, or None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+class MemoryLock:
+    """Locks ``[addr, addr + n)`` for a growing ``n``.
+
+    Args:
+        addr: start of the region (any address; locking works on whole pages).
+        what: a name for messages (a file or buffer).
+
+    Attributes:
+        locked: bytes locked so far, from ``addr``.
+        failed: the warning given when locking failed; further growth is not attempted.
+    """
+
+    def __init__(self, addr: int, what: str) -> None:
+        self.addr = addr
+        self.what = what
+        self.locked = 0
+        self.failed: str | None = None
+        self._page_start = align_down(addr, PAGE_SIZE)
+
+    def grow_to(self, target: int) -> str | None:
+        """Lock up to ``addr + target``. Returns a warning (and stops trying) when the
+        kernel refuses, naming the bytes locked so far and the limit needed."""
+        if self.failed is not None or target <= self.locked:
+            return None
+        start = align_up(self.addr + self.locked, PAGE_SIZE) if self.locked else self._page_start
+        end = align_up(self.addr + target, PAGE_SIZE)
+        if end > start:
+            try:
+                libc.mlock(start, end - start)
+            except OSError as exc:
+                limit = memlock_limit()
+                need = align_up(self.addr + target, PAGE_SIZE) - self._page_start
+                self.failed = (
+                    f"failed to mlock {end - start}-byte buffer of {self.what} (after previously locking "
+                    f"{self.locked} bytes): {os.strerror(exc.errno or 0)}; RLIMIT_MEMLOCK is "
+                    f"{'unlimited' if limit is None else f'{limit} bytes'}, {need} bytes are needed: "
+                    "try increasing it ('ulimit -l' as root, or the container's memlock ulimit)"
+                )
+                logger.warning("%s", self.failed)
+                return self.failed
+        self.locked = target
+        return None
+
+    def release(self) -> None:
+        """Unlock what was locked. Idempotent."""
+        if self.locked:
+            end = align_up(self.addr + self.locked, PAGE_SIZE)
+            try:
+                libc.munlock(self._page_start, end - self._page_start)
+            except OSError:
+                pass  # already unmapped: the lock went with the pages
+        self.locked = 0

@@ -1,0 +1,282 @@
+"""Moving tensor data to where a plan puts it (llama.cpp's buffer creation and
+``load_all_data``), as an asyncio pipeline.
+
+``load_model`` plans, checks the plan against the devices' free memory, maps the files
+and allocates the buffers (:mod:`.layout`), then runs the tensor jobs on one loader
+thread (:mod:`.worker`) while the event loop receives progress. Cancelling the awaiting
+task, or returning ``False`` from the progress callback, stops the loader at the next
+chunk; every buffer, mapping, lock, staging buffer, thread and file descriptor the load
+took is released before the error propagates.
+
+Load modes: ``mmap`` (CPU tensors are views of a read-only mapping), ``mmap+mlock`` (and
+their pages are locked as the load proceeds), ``none`` (read into allocated buffers),
+``mlock`` (read into host buffers that are locked), ``direct-io`` (read with ``O_DIRECT``,
+falling back to buffered reads where the filesystem refuses it), ``auto`` (mmap unless a
+chosen device cannot use mapped memory). Lazy tensors are mapped whatever the mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from service.errors import BudgetExceededError, ByteOrderError, InvalidDataError, LoadCancelledError
+from service.io.mapping import Mapping
+from service.loader.devices import MAPPED_BUFFER_NAME, CPUDevice, Device
+from service.loader.ggml_types import GGML_TYPES_BY_NAME, numpy_dtype, numpy_shape
+from service.loader.model import BufferInfo, LoadedModel, LoadedTensor, MemoryReport
+from service.loader.pipeline.layout import Resources, TensorJob, build
+from service.loader.pipeline.options import (
+    DEFAULT_CHUNK_NBYTES,
+    DEFAULT_STAGING_BUFFERS,
+    LoadOptions,
+    Progress,
+    ProgressCallback,
+)
+from service.loader.pipeline.worker import Worker, WorkerStats
+from service.loader.placement import LoadMode, PlacementParams, Plan, TensorPlacement, plan
+from service.loader.weights import WeightIndex
+
+__all__ = [
+    "DEFAULT_CHUNK_NBYTES",
+    "DEFAULT_STAGING_BUFFERS",
+    "LoadOptions",
+    "Progress",
+    "ProgressCallback",
+    "check_budget",
+    "load_model",
+    "load_plan",
+]
+
+MiB = 1 << 20
+
+
+def check_budget(p: Plan) -> None:
+    """Raise :class:`BudgetExceededError` with the per-device breakdown unless every
+    device's free memory holds what ``p`` allocates there."""
+    if p.fits:
+        return
+    parts = [
+        f"{u.device} needs {u.allocated / MiB:.2f} MiB, {u.free / MiB:.2f} MiB free" for u in p.device_use if not u.fits
+    ]
+    raise BudgetExceededError(
+        "the model does not fit: " + "; ".join(parts),
+        path=p.model,
+        hint="offload fewer layers (-ngl), change --tensor-split, or free memory",
+    )
+
+
+def _typed(raw: Any, t: TensorPlacement, ne: tuple[int, ...]) -> Any:
+    """A numpy ``uint8`` view as the tensor's element type and shape; other array types
+    (torch tensors on a GPU) stay raw bytes."""
+    if not isinstance(raw, np.ndarray):
+        return raw
+    ggml_type = GGML_TYPES_BY_NAME[t.ggml_type]
+    return raw.view(numpy_dtype(ggml_type)).reshape(numpy_shape(ggml_type, ne))
+
+
+async def load_model(
+    index: WeightIndex,
+    *,
+    load_mode: LoadMode | str = LoadMode.MMAP,
+    devices: Sequence[Device] | None = None,
+    params: PlacementParams | None = None,
+    options: LoadOptions | None = None,
+    on_progress: ProgressCallback | None = None,
+    chunk_nbytes: int | None = None,
+) -> LoadedModel:
+    """Place and load every tensor of ``index`` (llama.cpp ``load_tensors`` +
+    ``load_all_data``).
+
+    Args:
+        index: the model's weights index.
+        load_mode: the load mode when ``params`` is not given (``mmap``, ``none``,
+            ``mlock``, ``mmap+mlock``, ``direct-io``, ``auto``).
+        devices: the devices to place on (default: the CPU alone).
+        params: the placement flags (default: every layer offloaded, layer split).
+        options: how bytes move (chunk size, staging buffers, check-tensors).
+        on_progress: called on the event loop with :class:`Progress` after each chunk,
+            with bytes done strictly increasing; returning ``False`` cancels the load.
+        chunk_nbytes: shorthand for ``options.chunk_nbytes``.
+
+    Returns:
+        The :class:`LoadedModel`; the caller closes it.
+
+    Raises:
+        RequestError: unknown load mode.
+        ByteOrderError: the file is big-endian.
+        PlacementError: the flags give no valid placement.
+        BudgetExceededError: the plan needs more memory than a device has free; nothing
+            was allocated.
+        OutOfMemoryError: an allocation failed.
+        StorageError: a file cannot be opened, mapped or read.
+        InvalidDataError: with check-tensors, tensors hold NaN/Inf values or scales; the
+            error lists every one.
+        LoadCancelledError: the progress callback returned ``False``.
+        asyncio.CancelledError: the awaiting task was cancelled.
+        In every case nothing the load took stays held.
+    """
+    if params is None:
+        mode = LoadMode.parse(load_mode) if isinstance(load_mode, str) else load_mode
+        params = PlacementParams(load_mode=mode)
+    if chunk_nbytes is not None:
+        options = LoadOptions(
+            chunk_nbytes=chunk_nbytes,
+            **{k: getattr(options or LoadOptions(), k) for k in ("staging_buffers", "staging_nbytes", "check_tensors")},
+        )
+    if index.byte_order != "little":
+        raise ByteOrderError(
+            "the file is big-endian; hoist loads little-endian tensor data only",
+            path=index.path,
+            hint="convert it with gguf-py's `gguf-convert-endian FILE little`",
+        )
+    devices = list(devices) if devices is not None else [CPUDevice()]
+    placement = plan(index, devices, params)
+    check_budget(placement)
+    return await load_plan(index, placement, devices, options=options, on_progress=on_progress)
+
+
+async def load_plan(
+    index: WeightIndex,
+    placement: Plan,
+    devices: Sequence[Device],
+    *,
+    options: LoadOptions | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> LoadedModel:
+    """Load ``index`` as ``placement`` (from :func:`~service.loader.placement.plan`) says.
+
+    Raises: as :func:`load_model`, but the plan is taken as it is (no budget check).
+    """
+    options = options or LoadOptions()
+    res = Resources()
+    try:
+        build(index, placement, devices, res)
+        stats, invalid = await _run_worker(res.jobs, options, placement.load_mode is LoadMode.DIRECT_IO, on_progress)
+        if invalid:
+            listed = "; ".join(f"tensor '{name}': {found.reason}" for name, found in invalid.items())
+            raise InvalidDataError(
+                f"found {len(invalid)} tensor{'s' if len(invalid) > 1 else ''} with invalid data: {listed}",
+                path=index.path,
+                tensors={name: found.reason for name, found in invalid.items()},
+            )
+        if placement.use_mmap:
+            _unmap_unused(placement, res.mappings)
+        tensors: dict[str, LoadedTensor] = {}
+        tied: LoadedTensor | None = None
+        mapped = {j.index for j in res.jobs if j.branch in ("mapped", "lazy")}
+        for i, t in enumerate(placement.tensors):
+            w = index.weights[t.name]
+            loaded = LoadedTensor(
+                name=t.name,
+                ggml_type=t.ggml_type,
+                ne=w.info.ne,
+                nbytes=t.nbytes,
+                buffer_type=MAPPED_BUFFER_NAME if i in mapped else t.buffer_type,
+                device=t.device,
+                data=_typed(res.views[i], t, w.info.ne),
+                lazy=t.lazy,
+            )
+            if t.role == "tied_output":
+                tied = loaded
+            else:
+                tensors[t.name] = loaded
+    except BaseException:
+        res.release()
+        raise
+    res.jobs.clear()
+    report = MemoryReport(
+        tuple(BufferInfo(b.name, b.memory, b.nbytes, mapped=b.mapped, host=b.host) for b in placement.buffers)
+    )
+    warnings = [*placement.warnings, *res.warnings, *stats.notices]
+    return LoadedModel(index, placement, tensors, report, res.release, tied_output=tied, warnings=warnings, stats=stats)
+
+
+async def _run_worker(
+    jobs: list[TensorJob], options: LoadOptions, direct: bool, on_progress: ProgressCallback | None
+) -> tuple[WorkerStats, dict[str, Any]]:
+    """Run the jobs on a loader thread; returns its stats and the invalid tensors.
+
+    Raises:
+        LoadCancelledError: the callback asked to stop.
+        asyncio.CancelledError: the awaiting task was cancelled; the loader is told to stop
+            and awaited first, so nothing is released while it still runs.
+    """
+    loop = asyncio.get_running_loop()
+    cancel = threading.Event()
+    done_future: asyncio.Future[None] = loop.create_future()
+    total = sum(j.nbytes for j in jobs)
+    state = {"done": 0, "by_callback": False}
+
+    def deliver(n: int) -> None:
+        state["done"] += n
+        if on_progress is not None and not cancel.is_set():
+            if on_progress(Progress(state["done"], total)) is False:
+                state["by_callback"] = True
+                cancel.set()
+
+    def report(n: int) -> None:
+        if n:
+            loop.call_soon_threadsafe(deliver, n)
+
+    worker = Worker(jobs, options, direct=direct, cancel=cancel, report=report)
+
+    def finish(exc: BaseException | None) -> None:
+        if done_future.done():
+            return
+        if exc is None:
+            done_future.set_result(None)
+        else:
+            done_future.set_exception(exc)
+
+    def body() -> None:
+        error: BaseException | None = None
+        try:
+            worker.run()
+        except BaseException as exc:  # handed to the awaiting task
+            error = exc
+        loop.call_soon_threadsafe(finish, error)
+
+    if on_progress is not None:
+        on_progress(Progress(0, total))
+    thread = threading.Thread(target=body, name="hoist-load", daemon=True)
+    thread.start()
+    try:
+        await asyncio.shield(done_future)
+    except asyncio.CancelledError:
+        cancel.set()
+        while not done_future.done():
+            try:
+                await asyncio.shield(done_future)
+            except asyncio.CancelledError:
+                continue
+            except BaseException:
+                break
+        raise
+    finally:
+        # the loader has posted its result; it is at most returning now
+        thread.join()
+    if state["by_callback"]:
+        raise LoadCancelledError("the load was cancelled by its progress callback")
+    return worker.stats, dict(worker.invalid)
+
+
+def _unmap_unused(placement: Plan, mappings: dict[int, Mapping]) -> None:
+    """Unmap each mapping's head and tail that no zero-copy tensor uses (page-aligned
+    inward); a mapping no zero-copy tensor uses is unmapped entirely."""
+    for file_index, mapping in mappings.items():
+        used = [
+            (placement.tensors[i].offset, placement.tensors[i].offset + placement.tensors[i].nbytes)
+            for b in placement.buffers
+            if b.mapped and b.file_index == file_index
+            for i in b.tensors
+        ]
+        if not used:
+            mapping.unmap_fragment(0, mapping.size)
+            continue
+        mapping.unmap_fragment(0, min(s for s, _ in used))
+        mapping.unmap_fragment(max(e for _, e in used), mapping.size)

@@ -1,0 +1,212 @@
+"""From a plan to memory and work: map the files, allocate and lock the buffers, and
+list one job per tensor with the branch that brings its bytes in.
+
+Branches (llama.cpp ``load_all_data``):
+
+- ``mapped``: the tensor lies in a ``CPU_Mapped`` buffer: it is a view of the mapping;
+  its pages are faulted in (and locked under ``mmap+mlock``).
+- ``lazy``: a lazily read tensor: a view of the mapping, read on demand, not loaded.
+- ``copy``: under mmap, a tensor in an allocated buffer is copied from the mapping.
+- ``read``: without mmap, a tensor in a host buffer is read straight into it.
+- ``staged``: without mmap, a tensor on a device that can upload asynchronously goes
+  through the staging buffers.
+- ``sync``: without mmap, a tensor on a device that cannot (no async copies, events or
+  host buffer type) is read into a temporary buffer the size of the tensor and written.
+
+Without mmap, device contexts are loaded before host ones, and within a context the
+staged tensors come first, biggest first.
+"""
+
+from __future__ import annotations
+
+import mmap as _mmap_mod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import numpy as np
+
+from service.errors import StorageError
+from service.io.align import align_up
+from service.io.mapping import Mapping
+from service.io.mlock import MemoryLock
+from service.loader.devices import Device, DeviceBuffer
+from service.loader.placement import LoadMode, Plan
+from service.loader.weights import WeightIndex
+
+Branch = Literal["mapped", "lazy", "copy", "read", "staged", "sync"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorJob:
+    """Bring one placed tensor's bytes to its place.
+
+    Attributes:
+        index: the tensor's index in the plan.
+        name: the tensor name.
+        ggml_type: its ggml type name.
+        file_index: the file holding its data.
+        path: that file.
+        offset: absolute byte offset of its data in the file.
+        nbytes: its size in bytes.
+        branch: how its bytes come in.
+        mapping: the file's mapping (mapped, lazy and copy branches).
+        dest: its buffer (copy, read, staged and sync branches).
+        dest_offset: its offset in ``dest``.
+        device: the device uploading it (staged branch).
+        lock: the mapping's lock that grows over it (``mmap+mlock``, mapped branch).
+    """
+
+    index: int
+    name: str
+    ggml_type: str
+    file_index: int
+    path: str
+    offset: int
+    nbytes: int
+    branch: Branch
+    mapping: Mapping | None = None
+    dest: DeviceBuffer | None = None
+    dest_offset: int = 0
+    device: Device | None = None
+    lock: MemoryLock | None = None
+
+
+class Resources:
+    """What a load holds; released together on failure, cancellation or close.
+
+    The tensor views and jobs live here too, so that releasing drops every reference to
+    the buffers even while a traceback still holds the load's frames.
+    """
+
+    def __init__(self) -> None:
+        self.mappings: dict[int, Mapping] = {}
+        self.buffers: list[DeviceBuffer] = []
+        self.locks: list[MemoryLock] = []
+        self.views: dict[int, Any] = {}
+        self.jobs: list[TensorJob] = []
+        self.warnings: list[str] = []
+
+    def release(self) -> None:
+        """Unlock, free and unmap everything. Idempotent."""
+        self.views.clear()
+        self.jobs.clear()
+        for lock in self.locks:
+            lock.release()
+        self.locks.clear()
+        for buf in self.buffers:
+            buf.free()
+        self.buffers.clear()
+        for mapping in self.mappings.values():
+            mapping.close()
+        self.mappings.clear()
+
+
+def _host_address(buf: DeviceBuffer) -> int | None:
+    view = buf.view(0, buf.nbytes)
+    return int(view.ctypes.data) if isinstance(view, np.ndarray) and buf.nbytes else None
+
+
+def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources) -> None:
+    """Map, allocate and lock what ``p`` needs, and fill ``res.views`` (plan index ->
+    raw view of the tensor's bytes) and ``res.jobs`` in load order.
+
+    Raises:
+        OutOfMemoryError: an allocation failed.
+        StorageError: a file cannot be mapped, or changed since it was parsed.
+    """
+    by_name = {d.name: d for d in devices}
+    lock_host = p.load_mode is LoadMode.MLOCK
+    lock_mapped = p.load_mode is LoadMode.MMAP_MLOCK
+    dest_of: dict[int, tuple[DeviceBuffer, int, Device]] = {}
+    for b in p.buffers:
+        if b.mapped:
+            continue
+        dev = by_name[b.device]
+        buft = next(bt for bt in dev.buffer_types() if bt.name == b.buffer_type)
+        chunks = iter(b.chunks)
+        buf = dev.alloc(buft, next(chunks))
+        res.buffers.append(buf)
+        pos = 0
+        for i in b.tensors:
+            size = align_up(p.tensors[i].nbytes, buft.alignment)
+            if pos and pos + size > buf.nbytes:
+                buf = dev.alloc(buft, next(chunks))
+                res.buffers.append(buf)
+                pos = 0
+            dest_of[i] = (buf, pos, dev)
+            pos += size
+    if lock_host:
+        for buf in res.buffers:
+            addr = _host_address(buf) if buf.buffer_type.is_host else None
+            if addr is not None:
+                lock = MemoryLock(addr, f"a {buf.buffer_type.name} buffer")
+                res.locks.append(lock)
+                warning = lock.grow_to(buf.nbytes)
+                if warning:
+                    res.warnings.append(warning)
+                    break
+
+    needs_mapping = {t.file_index for i, t in enumerate(p.tensors) if p.use_mmap or t.lazy}
+    file_locks: dict[int, MemoryLock] = {}
+    for file_index in sorted(needs_mapping):
+        gguf_file = index.files[file_index]
+        mapping = res.mappings[file_index] = Mapping(gguf_file.path)
+        if mapping.size != gguf_file.file_size:
+            raise StorageError(
+                f"the file changed since its header was read: {gguf_file.file_size} bytes then, {mapping.size} now",
+                path=gguf_file.path,
+            )
+        for t in p.tensors:
+            if t.file_index == file_index and t.nbytes:
+                # lazy ranges are read at random, on demand; the rest is needed now
+                mapping.advise(t.offset, t.nbytes, _mmap_mod.MADV_RANDOM if t.lazy else _mmap_mod.MADV_WILLNEED)
+        if lock_mapped:
+            file_locks[file_index] = MemoryLock(mapping.addr, gguf_file.path)
+            res.locks.append(file_locks[file_index])
+
+    for i, t in enumerate(p.tensors):
+        file_mapping = res.mappings.get(t.file_index)
+        base = TensorJob(
+            i, t.name, t.ggml_type, t.file_index, index.files[t.file_index].path, t.offset, t.nbytes, "mapped",
+            file_mapping,
+        )  # fmt: skip
+        if i not in dest_of:
+            # in a context that wraps the mapping (zero-byte tensors fall in no range)
+            assert file_mapping is not None
+            res.views[i] = file_mapping.array(t.offset, t.nbytes)
+            job = replace(base, branch="lazy" if t.lazy else "mapped", lock=file_locks.get(t.file_index))
+        else:
+            buf, off, dev = dest_of[i]
+            res.views[i] = buf.view(off, t.nbytes)
+            placed = replace(base, dest=buf, dest_offset=off)
+            if p.use_mmap:
+                job = replace(placed, branch="copy")
+            elif buf.buffer_type.is_host:
+                job = replace(placed, branch="read", mapping=None)
+            elif dev.can_stage and buf.buffer_type is dev.default_buffer_type:
+                job = replace(placed, branch="staged", mapping=None, device=dev)
+            else:
+                job = replace(placed, branch="sync", mapping=None, device=dev)
+        res.jobs.append(job)
+    res.jobs = order_jobs(res.jobs, p)
+
+
+def order_jobs(jobs: list[TensorJob], p: Plan) -> list[TensorJob]:
+    """Load order: contexts in order (without mmap, device contexts before host ones);
+    within a context, without mmap, staged tensors first and biggest first."""
+
+    def on_device(job: TensorJob) -> bool:
+        return job.dest is not None and not job.dest.buffer_type.is_host
+
+    by_context: dict[tuple[bool, str], list[TensorJob]] = {}
+    for job in jobs:
+        by_context.setdefault(p.tensors[job.index].context, []).append(job)
+    contexts = [by_context[k] for k in sorted(by_context)]
+    if p.use_mmap:
+        return [job for ctx in contexts for job in ctx]
+    contexts.sort(key=lambda ctx: not any(on_device(j) for j in ctx))
+    out: list[TensorJob] = []
+    for ctx in contexts:
+        out.extend(sorted(ctx, key=lambda j: (not on_device(j), -j.nbytes if on_device(j) else 0)))
+    return out

@@ -1,0 +1,80 @@
+"""Tunables of a load, and its progress."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+DEFAULT_CHUNK_NBYTES = 16 * MiB
+"""Bytes read or faulted in between two progress reports / cancellation checks."""
+
+DEFAULT_STAGING_BUFFERS = 4
+"""Staging buffers per device for staged uploads (llama.cpp uses 4)."""
+
+STAGING_NBYTES = 1 * MiB
+"""Size of each staging buffer with buffered reads."""
+
+DIRECT_IO_STAGING_NBYTES = 64 * MiB
+"""Payload of each staging buffer with direct I/O (plus two alignments)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """How a load moves bytes (not where: that is the plan).
+
+    Attributes:
+        chunk_nbytes: bytes moved between two progress reports and cancellation checks
+            (mapped and read branches), in bytes.
+        staging_buffers: staging buffers per device for staged uploads (N).
+        staging_nbytes: size of each staging buffer in bytes; None for llama.cpp's
+            default (1 MiB, or 64 MiB + 2 x alignment with direct I/O).
+        check_tensors: validate every tensor's data (NaN/Inf in values and block scales)
+            while loading; every bad tensor is listed before the load fails.
+        validation_workers: threads validating data in parallel with reading.
+    """
+
+    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
+    staging_buffers: int = DEFAULT_STAGING_BUFFERS
+    staging_nbytes: int | None = None
+    check_tensors: bool = False
+    validation_workers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.chunk_nbytes < 1:
+            raise ValueError("chunk_nbytes must be at least 1")
+        if self.staging_buffers < 1:
+            raise ValueError("staging_buffers must be at least 1")
+        if self.staging_nbytes is not None and self.staging_nbytes < 1:
+            raise ValueError("staging_nbytes must be at least 1")
+        if self.validation_workers < 1:
+            raise ValueError("validation_workers must be at least 1")
+
+    def staging_size(self, alignment: int) -> int:
+        """Size of one staging buffer for reads aligned to ``alignment`` bytes."""
+        if self.staging_nbytes is not None:
+            return self.staging_nbytes + (2 * alignment if alignment > 1 else 0)
+        return DIRECT_IO_STAGING_NBYTES + 2 * alignment if alignment > 1 else STAGING_NBYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Progress of a load, in bytes of tensor data.
+
+    Attributes:
+        bytes_done: bytes in place so far (monotonic).
+        bytes_total: bytes the load brings in (a tensor loaded to two buffers counts twice).
+    """
+
+    bytes_done: int
+    bytes_total: int
+
+    @property
+    def fraction(self) -> float:
+        """``bytes_done / bytes_total`` (1.0 for an empty model)."""
+        return self.bytes_done / self.bytes_total if self.bytes_total else 1.0
+
+
+ProgressCallback = Callable[[Progress], bool | None]
+"""Called on the event loop after each chunk; returning ``False`` cancels the load."""
