@@ -224,3 +224,25 @@ def block_model(
             tensors[f"blk.{i}.{name}"] = (np.full(elements, float(i), dtype=np.float32), f32)
     write_fixture(path, kv=[(f"{arch}.block_count", n_blocks, V.UINT32, None)], tensors=tensors, arch=arch)
     return path
+
+
+# byte offsets of the f16 scale fields in one block, per block-quantized type used in tests
+SCALE_FIELDS: dict[Q, tuple[int, ...]] = {Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q5_0: (0,)}
+
+
+def finite_quant(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarray:
+    """Random blocks of ``qtype`` whose scales are all 1.0 (valid for check-tensors)."""
+    data = quantized_bytes(rng, qtype, rows, cols)
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = data.reshape(-1, size)
+    for at in SCALE_FIELDS[qtype]:
+        blocks[:, at : at + 2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    return data
+
+
+def set_scale(data: np.ndarray, qtype: Q, block: int, value: float, field: int = 0) -> None:
+    """Write ``value`` (as f16) into scale field ``field`` of block ``block`` of ``data``."""
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    at = SCALE_FIELDS[qtype][field]
+    flat = data.reshape(-1)
+    flat[block * size + at : block * size + at + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)

@@ -19,7 +19,7 @@ from service.api.errors import public_error
 from service.errors import ConflictError, HoistError, ModelPathError, NotFoundError, RequestError
 from service.loader.devices import Device
 from service.loader.model import LoadedModel, MemoryReport
-from service.loader.pipeline import Progress, check_budget, load_model
+from service.loader.pipeline import LoadOptions, Progress, check_budget, load_model
 from service.loader.placement import PlacementParams, Plan, make_params, plan
 from service.loader.weights import WeightIndex, open_model
 
@@ -76,6 +76,9 @@ class LoadJob:
     plan: Plan
     n_tensors: int
     bytes_total: int
+    options: LoadOptions = field(default_factory=LoadOptions)
+    warnings: list[str] = field(default_factory=list)
+    stats: dict[str, Any] | None = None
     state: JobState = JobState.QUEUED
     bytes_done: int = 0
     cancel_requested: bool = False
@@ -193,7 +196,7 @@ class JobManager:
         params = self.params(flags)
         return index, await asyncio.to_thread(plan, index, self.devices, params)
 
-    async def submit(self, model: str, flags: dict[str, Any]) -> LoadJob:
+    async def submit(self, model: str, flags: dict[str, Any], options: LoadOptions | None = None) -> LoadJob:
         """Validate ``model`` and the placement flags, plan, and start loading in the
         background.
 
@@ -213,6 +216,8 @@ class JobManager:
             plan=placement,
             n_tensors=len(index),
             bytes_total=sum(t.nbytes for t in placement.tensors),
+            options=options or LoadOptions(),
+            warnings=list(placement.warnings),
         )
         self.jobs[job.id] = job
         job.task = asyncio.create_task(self._run(job, index), name=f"load {job.id}")
@@ -249,7 +254,9 @@ class JobManager:
                 job.bytes_total = p.bytes_total
 
             try:
-                loaded = await load_model(index, devices=self.devices, params=job.params, on_progress=on_progress)
+                loaded = await load_model(
+                    index, devices=self.devices, params=job.params, options=job.options, on_progress=on_progress
+                )
             except asyncio.CancelledError:
                 job.transition(JobState.CANCELLED)
                 raise
@@ -266,6 +273,8 @@ class JobManager:
             self.models[job.id] = ResidentModel(job.id, job.model, loaded)
             job.plan = loaded.plan
             job.report = loaded.report
+            job.warnings = list(loaded.warnings)
+            job.stats = loaded.stats.to_dict()
             job.transition(JobState.SUCCEEDED)
             logger.info("loaded %s as %s (%d bytes)", job.model, job.id, loaded.report.total_nbytes)
 

@@ -27,14 +27,25 @@ class PlanRequest(BaseModel):
     load_mode: Literal["auto", "none", "mmap", "mlock", "mmap+mlock", "direct-io"] = Field(
         default="auto", description="-lm: how tensor data gets into memory."
     )
+    lazy_mode: Literal["off", "auto", "on"] = Field(
+        default="auto", description="-lzm: read per-layer embedding tables on demand (auto: above 4 GiB)."
+    )
 
     def flags(self) -> dict[str, Any]:
         """The placement flags as keyword arguments of ``make_params``."""
-        return self.model_dump(exclude={"model"})
+        return self.model_dump(include=set(PlanRequest.model_fields) - {"model"})
 
 
 class LoadRequest(PlanRequest):
-    """Body of ``POST /v1/loads``: the same as a plan."""
+    """Body of ``POST /v1/loads``: a plan's fields, and how the bytes move."""
+
+    check_tensors: bool = Field(
+        default=False, description="Validate tensor data (NaN/Inf values and block scales); lists every bad tensor."
+    )
+    staging_buffers: int = Field(default=4, ge=1, le=64, description="Staging buffers per device for uploads.")
+    staging_size: int | None = Field(
+        default=None, ge=4096, description="Bytes per staging buffer (default 1 MiB, or 64 MiB with direct-io)."
+    )
 
 
 class BufferOut(BaseModel):
@@ -69,6 +80,8 @@ class LoadJobOut(BaseModel):
     bytes_total: int
     n_tensors: int
     plan: dict[str, Any] = Field(description="Devices, layer assignment, offload and buffer lines.")
+    warnings: list[str] = Field(default_factory=list, description="mlock limits, direct I/O fallbacks, ...")
+    stats: dict[str, Any] | None = Field(default=None, description="How the bytes moved, once succeeded.")
     error: dict[str, Any] | None = None
     memory: MemoryReportOut | None = Field(default=None, description="Set once the job succeeded.")
     model_id: str | None = Field(default=None, description="The loaded model's id, once succeeded.")

@@ -93,18 +93,16 @@ class StagingPool(Generic[B]):
         self._next = (i + 1) % len(self.buffers)
         pending = self._pending[i]
         if pending:
-            if any(not w.query() for w in pending):
-                started = time.perf_counter()
-                self._waits += 1
-                try:
-                    for w in pending:
-                        w.synchronize()
-                finally:
-                    self._wait_seconds += time.perf_counter() - started
-            else:
+            busy = any(not w.query() for w in pending)
+            started = time.perf_counter()
+            try:
                 for w in pending:
                     w.synchronize()
-            pending.clear()
+            finally:
+                pending.clear()
+                if busy:
+                    self._waits += 1
+                    self._wait_seconds += time.perf_counter() - started
         return i, self.buffers[i]
 
     def record(self, index: int, *work: Waitable) -> None:

@@ -59,3 +59,22 @@ def test_placement_errors_over_http(live_server_emu: str, models_dir) -> None:  
         assert refused.status_code == 409 and refused.json()["code"] == "insufficient_device_memory"
         assert "EMU1 needs" in refused.json()["detail"]
         assert client.get("/healthz").status_code == 200
+
+
+def test_check_tensors_over_http(live_server_emu: str, models_dir) -> None:  # type: ignore[no-untyped-def]
+    from tests.loader.test_load_modes import bad_model
+
+    bad_model(models_dir / "bad.gguf")
+    with httpx.Client(base_url=live_server_emu) as client:
+        body = {"model": "bad.gguf", "n_gpu_layers": "all", "load_mode": "direct-io", "check_tensors": True}
+        resp = client.post("/v1/loads", json=body)
+        assert resp.status_code == 202, resp.text
+        done = wait_for(client, resp.headers["location"], {"succeeded", "failed"})
+        assert done["state"] == "failed"
+        assert done["error"]["code"] == "invalid_tensor_data"
+        assert set(done["error"]["tensors"]) == {"blk.0.ffn_up.weight", "token_embd.weight", "blk.0.attn_q.weight"}
+        devices = {d["name"]: d for d in client.get("/v1/devices").json()["data"]}
+        assert all(devices[n]["free_bytes"] == devices[n]["total_bytes"] for n in ("EMU0", "EMU1"))
+        body["check_tensors"] = False
+        ok = wait_for(client, client.post("/v1/loads", json=body).headers["location"], {"succeeded", "failed"})
+        assert ok["state"] == "succeeded" and ok["stats"]["bytes_by_branch"]

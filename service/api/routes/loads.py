@@ -7,6 +7,7 @@ from fastapi import APIRouter, Response
 from service.api.deps import JobsDep
 from service.api.routes.views import job_out
 from service.api.schemas import LoadJobList, LoadJobOut, LoadRequest
+from service.loader.pipeline import LoadOptions
 
 router = APIRouter(prefix="/v1/loads", tags=["loads"])
 
@@ -18,7 +19,10 @@ async def start_load(body: LoadRequest, jobs: JobsDep, response: Response) -> Lo
     The file's header is read and the placement planned before answering, so a missing
     or invalid file, invalid flags or a model that does not fit are a 4xx here rather
     than a failed job."""
-    job = await jobs.submit(body.model, body.flags())
+    options = LoadOptions(
+        staging_buffers=body.staging_buffers, staging_nbytes=body.staging_size, check_tensors=body.check_tensors
+    )
+    job = await jobs.submit(body.model, body.flags(), options)
     response.headers["Location"] = f"/v1/loads/{job.id}"
     return job_out(job)
 

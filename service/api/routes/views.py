@@ -24,6 +24,8 @@ def job_out(job: LoadJob) -> LoadJobOut:
         bytes_total=job.bytes_total,
         n_tensors=job.n_tensors,
         plan=job.plan.to_dict(tensors=False),
+        warnings=job.warnings,
+        stats=job.stats,
         error=job.error,
         memory=memory_out(job.report) if job.report is not None else None,
         model_id=job.id if job.state is JobState.SUCCEEDED else None,

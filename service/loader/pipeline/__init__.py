@@ -241,8 +241,8 @@ async def _run_worker(
             error = exc
         loop.call_soon_threadsafe(finish, error)
 
-    if on_progress is not None:
-        on_progress(Progress(0, total))
+    if on_progress is not None and on_progress(Progress(0, total)) is False:
+        raise LoadCancelledError("the load was cancelled by its progress callback before it started")
     thread = threading.Thread(target=body, name="hoist-load", daemon=True)
     thread.start()
     try:

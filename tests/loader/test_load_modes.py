@@ -1,0 +1,334 @@
+"""Every load mode on every device kind; the staged branch (pool sizes, chunk sizes,
+alignment, fallback, backpressure); lazy tensors; direct I/O fallback; mlock limits;
+check-tensors; cancellation at many points leaving nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from service.errors import InvalidDataError, LoadCancelledError
+from service.loader.devices import EMUDevice, discover_devices
+from service.loader.model import LoadedModel
+from service.loader.pipeline import LoadOptions, Progress, load_model
+from service.loader.pipeline.layout import order_jobs
+from service.loader.placement import make_params, plan
+from service.loader.weights import open_model
+from tests.helpers import finite_quant, set_scale, write_fixture
+from tests.resources import fds_on, load_threads, mappings_of
+
+MODES = ["none", "mmap", "mlock", "mmap+mlock", "direct-io"]
+SETUPS = {
+    "cpu": ("", {}),
+    "emu": ("EMU0=256MiB,EMU1=256MiB", {"n_gpu_layers": "all"}),
+    "emu-partial": ("EMU0=256MiB", {"n_gpu_layers": 2}),
+    "emu-sync": ("EMU0=256MiB:sync", {"n_gpu_layers": "all"}),
+}
+
+
+def valid_tensors(seed: int = 0, *, big: bool = False) -> dict[str, tuple[np.ndarray, Q]]:
+    """Tensors of several types with finite values and scales, in three layers; sizes that
+    are not multiples of 32 bytes, of staging buffers or of each other."""
+    rng = np.random.default_rng(seed)
+    rows = 64 if big else 6
+    return {
+        "token_embd.weight": (finite_quant(rng, Q.Q8_0, rows, 64), Q.Q8_0),
+        "output_norm.weight": (rng.standard_normal(7).astype(np.float32), Q.F32),
+        "blk.0.attn_q.weight": (finite_quant(rng, Q.Q4_K, rows, 512), Q.Q4_K),
+        "blk.0.ffn_up.weight": (rng.standard_normal((rows, 33)).astype(np.float16), Q.F16),
+        "blk.1.attn_q.weight": (finite_quant(rng, Q.Q6_K, 3, 256), Q.Q6_K),
+        "blk.1.ffn_up.weight": (finite_quant(rng, Q.Q5_0, rows, 96), Q.Q5_0),
+        "blk.2.attn_norm.weight": (rng.standard_normal(1000).astype(np.float32), Q.F32),
+    }
+
+
+def write_model(path: Path, tensors: dict[str, tuple[np.ndarray, Q]]) -> Path:
+    from gguf import GGUFValueType as V
+
+    return write_fixture(path, kv=[("llama.block_count", 3, V.UINT32, None)], tensors=tensors).path
+
+
+@pytest.fixture
+def model_path(tmp_path: Path) -> Path:
+    return write_model(tmp_path / "m.gguf", valid_tensors())
+
+
+def load(path: Path, setup: str, mode: str, **options: Any) -> tuple[LoadedModel, list[Any]]:
+    spec, flags = SETUPS[setup]
+    devs = discover_devices(spec, cuda=False)
+    params = make_params([d.default_buffer_type.name for d in devs], load_mode=mode, **flags)  # type: ignore[arg-type]
+    extra = {k: options.pop(k) for k in ("on_progress",) if k in options}
+    return asyncio.run(
+        load_model(open_model(path), devices=devs, params=params, options=LoadOptions(**options), **extra)
+    ), devs
+
+
+def assert_bytes_equal_file(model: LoadedModel, path: Path) -> None:
+    reader = gguf.GGUFReader(path)
+    for ref in reader.tensors:
+        t = model[ref.name]
+        assert np.asarray(t.data).tobytes() == np.asarray(ref.data).tobytes(), (ref.name, t.buffer_type)
+    if model.tied_output is not None:
+        assert model.tied_output.data.tobytes() == model["token_embd.weight"].data.tobytes()
+
+
+def leftovers(path: Path, devs: list[Any]) -> tuple[int, int, int, int]:
+    emu = sum(d.allocated for d in devs if isinstance(d, EMUDevice))
+    return (mappings_of(path), fds_on(path), load_threads(), emu)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_every_mode_on_every_device_kind(model_path: Path, setup: str, mode: str) -> None:
+    model, devs = load(model_path, setup, mode, check_tensors=True)
+    with model:
+        assert_bytes_equal_file(model, model_path)
+        branches = model.stats.branches
+        if mode in ("mmap", "mmap+mlock"):
+            assert branches.get("mapped", 0) > 0 and "read" not in branches and "staged" not in branches
+        elif setup in ("emu", "emu-partial"):
+            assert branches.get("staged", 0) > 0
+        elif setup == "emu-sync":
+            assert branches.get("sync", 0) > 0 and "staged" not in branches
+        if mode == "direct-io" and setup != "cpu":
+            assert model.stats.direct_io or model.warnings
+    assert leftovers(model_path, devs) == (0, 0, 0, 0)
+
+
+@pytest.mark.sample
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("setup", ["cpu", "emu"])
+def test_sample_in_every_mode(sample_path: Path, sample_reader: Any, setup: str, mode: str) -> None:
+    baseline = (mappings_of(sample_path), fds_on(sample_path))  # gguf-py's reader maps the file too
+    model, devs = load(sample_path, setup, mode)
+    with model:
+        for ref in sample_reader.tensors:
+            assert model[ref.name].data.tobytes() == np.asarray(ref.data).tobytes(), ref.name
+    assert leftovers(sample_path, devs) == (*baseline, 0, 0)
+
+
+# -- the staged branch ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("staging", [1000, 4097, 65536])
+@pytest.mark.parametrize("mode", ["none", "direct-io"])
+def test_staged_pools_and_chunk_sizes(tmp_path: Path, n: int, staging: int, mode: str) -> None:
+    path = write_model(tmp_path / "m.gguf", valid_tensors(1, big=True))
+    model, devs = load(path, "emu", mode, staging_buffers=n, staging_nbytes=staging, check_tensors=True)
+    with model:
+        assert_bytes_equal_file(model, path)
+        pools = model.stats.pools
+        assert pools and all(p.buffers == n and p.peak_in_flight <= n for p in pools.values())
+        offsets = [model.index[name].offset for name in model.tensors]
+        assert any(o % 4096 for o in offsets)  # tensors start off the direct I/O alignment
+    assert leftovers(path, devs) == (0, 0, 0, 0)
+
+
+def test_backpressure_bounds_the_buffers_in_flight(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    path = write_model(tmp_path / "m.gguf", {"blk.0.w": (rng.standard_normal(1 << 19).astype(np.float32), Q.F32)})
+    devs = discover_devices("EMU0=64MiB:bandwidth=40MB", cuda=False)
+    params = make_params([d.default_buffer_type.name for d in devs], load_mode="none", n_gpu_layers="all")
+    options = LoadOptions(staging_buffers=2, staging_nbytes=64 * 1024)
+    with asyncio.run(load_model(open_model(path), devices=devs, params=params, options=options)) as model:
+        pool = model.stats.pools["EMU0"]
+        assert pool.buffers == 2 and pool.peak_in_flight <= 2
+        assert pool.waits > 10 and pool.wait_seconds > 0.02  # the reader waited for the slow device
+        assert_bytes_equal_file(model, path)
+
+
+def test_load_order_without_mmap(tmp_path: Path) -> None:
+    path = write_model(tmp_path / "m.gguf", valid_tensors(3))
+    devs = discover_devices("EMU0=64MiB", cuda=False)
+    p = plan(open_model(path), devs, make_params(["CPU", "EMU0"], load_mode="none", n_gpu_layers=2, no_host=True))
+    from service.loader.pipeline.layout import Resources, build
+
+    res = Resources()
+    try:
+        build(open_model(path), p, devs, res)
+        jobs = order_jobs(res.jobs, p)
+    finally:
+        res.release()
+    kinds = [j.branch for j in jobs]
+    first_host = kinds.index("read")
+    assert set(kinds[:first_host]) == {"staged"} and set(kinds[first_host:]) == {"read"}
+    staged_sizes = [j.nbytes for j in jobs[:first_host]]
+    assert staged_sizes == sorted(staged_sizes, reverse=True)
+
+
+# -- lazy tensors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["none", "mmap"])
+def test_lazy_tensors(tmp_path: Path, mode: str) -> None:
+    tensors = valid_tensors(4)
+    rng = np.random.default_rng(4)
+    tensors["per_layer_token_embd.weight"] = (rng.standard_normal((8, 64)).astype(np.float32), Q.F32)
+    path = write_model(tmp_path / "m.gguf", tensors)
+    devs = discover_devices("EMU0=64MiB", cuda=False)
+    on = make_params(["CPU", "EMU0"], load_mode=mode, n_gpu_layers="all", lazy_mode="on", no_host=True)
+    p = plan(open_model(path), devs, on)
+    lazy = [t for t in p.tensors if t.lazy]
+    assert [t.name for t in lazy] == ["per_layer_token_embd.weight"] and lazy[0].device == "CPU"
+    assert p.buffers[-1].lazy and p.buffers[-1].mapped and p.buffers[-1].name == "CPU_Mapped"
+    with asyncio.run(load_model(open_model(path), devices=devs, params=on)) as model:
+        t = model["per_layer_token_embd.weight"]
+        assert t.lazy and t.buffer_type == "CPU_Mapped"
+        assert model.stats.branches["lazy"] == t.nbytes  # not read during the load
+        np.testing.assert_array_equal(t.data, tensors["per_layer_token_embd.weight"][0])  # read on demand
+    auto = make_params(["CPU", "EMU0"], load_mode=mode, n_gpu_layers="all")
+    assert not any(t.lazy for t in plan(open_model(path), devs, auto).tensors)  # below 4 GiB
+
+
+# -- check-tensors ------------------------------------------------------------------------------
+
+
+def bad_model(path: Path) -> Path:
+    tensors = valid_tensors(5)
+    f16, _ = tensors["blk.0.ffn_up.weight"]
+    f16[2, 5] = np.nan
+    q8, _ = tensors["token_embd.weight"]
+    set_scale(q8, Q.Q8_0, 3, float("inf"))
+    q4k, _ = tensors["blk.0.attn_q.weight"]
+    set_scale(q4k, Q.Q4_K, 1, float("inf"), field=1)
+    return write_model(path, tensors)
+
+
+@pytest.mark.parametrize("mode", ["none", "mmap", "direct-io"])
+@pytest.mark.parametrize("setup", ["cpu", "emu", "emu-sync"])
+def test_check_tensors_reports_every_bad_tensor(tmp_path: Path, setup: str, mode: str) -> None:
+    path = bad_model(tmp_path / "bad.gguf")
+    with pytest.raises(InvalidDataError) as info:
+        load(path, setup, mode, check_tensors=True)
+    assert set(info.value.tensors) == {"blk.0.ffn_up.weight", "token_embd.weight", "blk.0.attn_q.weight"}
+    assert "NaN" in info.value.tensors["blk.0.ffn_up.weight"]
+    assert "Inf" in info.value.tensors["token_embd.weight"]
+    assert "found 3 tensors with invalid data" in str(info.value)
+    model, _ = load(path, setup, mode)  # without check-tensors the data loads as it is
+    model.close()
+
+
+def test_nan_case_with_check_tensors() -> None:
+    path = Path(__file__).resolve().parent.parent / "data" / "cases" / "nan.gguf"
+    with pytest.raises(InvalidDataError) as info:
+        load(path, "cpu", "mmap", check_tensors=True)
+    assert list(info.value.tensors) == ["t0"] and "NaN" in str(info.value)
+
+
+# -- direct I/O fallback, mlock limits ----------------------------------------------------------
+
+
+def test_direct_io_falls_back_where_refused(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from service.io import direct
+
+    real_open = os.open
+
+    def no_direct(p: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(direct.os, "open", no_direct)
+    model, devs = load(model_path, "emu", "direct-io")
+    with model:
+        assert_bytes_equal_file(model, model_path)
+        assert any("direct I/O unavailable" in w and "O_DIRECT refused" in w for w in model.warnings)
+        assert not model.stats.direct_io
+
+
+@pytest.mark.parametrize("mode", ["mlock", "mmap+mlock"])
+def test_a_low_memlock_limit_warns_and_the_load_goes_on(model_path: Path, mode: str) -> None:
+    code = f"""
+import asyncio, resource, sys
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (4096, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
+from service.loader.weights import open_model
+from service.loader.pipeline import load_model
+model = asyncio.run(load_model(open_model(sys.argv[1]), load_mode="{mode}"))
+print(len(model.tensors))
+print("\\n".join(model.warnings))
+"""
+    command = [sys.executable, "-c", code, str(model_path)]
+    if os.geteuid() == 0:
+        # root may lock without limit (CAP_IPC_LOCK): run without that capability
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root and setpriv is not available to drop CAP_IPC_LOCK")
+        command = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "7"
+    warning = "\n".join(lines[1:])
+    assert "failed to mlock" in warning and "RLIMIT_MEMLOCK is 4096 bytes" in warning and "are needed" in warning
+
+
+# -- cancellation -----------------------------------------------------------------------------
+
+
+def _cancel_at(path: Path, setup: str, mode: str, when: int, **options: Any) -> tuple[Any, list[Any]]:
+    calls = {"n": 0}
+
+    def stop(_: Progress) -> bool:
+        calls["n"] += 1
+        return calls["n"] <= when
+
+    spec, flags = SETUPS[setup]
+    devs = discover_devices(spec, cuda=False)
+    params = make_params([d.default_buffer_type.name for d in devs], load_mode=mode, **flags)  # type: ignore[arg-type]
+    with pytest.raises(LoadCancelledError):
+        asyncio.run(
+            load_model(open_model(path), devices=devs, params=params, options=LoadOptions(**options), on_progress=stop)
+        )
+    return calls, devs
+
+
+@pytest.mark.parametrize("when", [0, 1, 3, 10])
+@pytest.mark.parametrize("mode", ["none", "mmap", "direct-io"])
+@pytest.mark.parametrize("setup", ["cpu", "emu"])
+def test_cancel_at_many_points(tmp_path: Path, setup: str, mode: str, when: int) -> None:
+    path = write_model(tmp_path / "m.gguf", valid_tensors(6, big=True))
+    _, devs = _cancel_at(path, setup, mode, when, chunk_nbytes=512, staging_nbytes=1024, check_tensors=True)
+    assert leftovers(path, devs) == (0, 0, 0, 0)
+
+
+def test_cancel_the_task_during_slow_uploads_and_validation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.loader.pipeline import worker
+
+    real = worker.validate_row_data
+    validating = threading.Event()
+
+    def slow_validate(ggml_type: str, data: Any) -> Any:
+        validating.set()
+        threading.Event().wait(0.05)
+        return real(ggml_type, data)
+
+    monkeypatch.setattr(worker, "validate_row_data", slow_validate)
+    path = write_model(tmp_path / "m.gguf", valid_tensors(7, big=True))
+    devs = discover_devices("EMU0=64MiB:bandwidth=2MB,EMU1=64MiB:bandwidth=2MB", cuda=False)
+    params = make_params(["CPU", "EMU0", "EMU1"], load_mode="none", n_gpu_layers="all")
+    options = LoadOptions(staging_nbytes=2048, check_tensors=True)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(load_model(open_model(path), devices=devs, params=params, options=options))
+        while not validating.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert leftovers(path, devs) == (0, 0, 0, 0)
