@@ -301,7 +301,9 @@ def _cancel_at(path: Path, setup: str, mode: str, when: int, **options: Any) -> 
 @pytest.mark.parametrize("setup", ["cpu", "emu"])
 def test_cancel_at_many_points(tmp_path: Path, setup: str, mode: str, when: int) -> None:
     path = write_model(tmp_path / "m.gguf", valid_tensors(6, big=True))
-    _, devs = _cancel_at(path, setup, mode, when, chunk_nbytes=512, staging_nbytes=1024, check_tensors=True)
+    _, devs = _cancel_at(
+        path, setup, mode, when, chunk_nbytes=512, direct_chunk_nbytes=4096, staging_nbytes=1024, check_tensors=True
+    )
     assert leftovers(path, devs) == (0, 0, 0, 0)
 
 

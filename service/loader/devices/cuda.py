@@ -7,6 +7,7 @@ asked for, so hoist runs without it.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,11 @@ class CUDABuffer(DeviceBuffer):
 
     def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
         torch = _torch()
-        self.tensor[offset : offset + len(data)].copy_(torch.from_numpy(np.ascontiguousarray(data)))
+        with warnings.catch_warnings():
+            # a read-only view of a file mapping is only read here
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(np.ascontiguousarray(data))
+        self.tensor[offset : offset + len(data)].copy_(src)
 
     def view(self, offset: int, nbytes: int) -> Any:
         return self.tensor[offset : offset + nbytes]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from service.io.mapping import Mapping
 from service.loader.devices import MAPPED_BUFFER_NAME, CPUDevice, Device
 from service.loader.ggml_types import GGML_TYPES_BY_NAME, numpy_dtype, numpy_shape
 from service.loader.model import BufferInfo, LoadedModel, LoadedTensor, MemoryReport
-from service.loader.pipeline.layout import Resources, TensorJob, build
+from service.loader.pipeline.layout import Resources, build
 from service.loader.pipeline.options import (
     DEFAULT_CHUNK_NBYTES,
     DEFAULT_STAGING_BUFFERS,
@@ -155,8 +155,14 @@ async def load_plan(
     options = options or LoadOptions()
     res = Resources()
     try:
-        build(index, placement, devices, res)
-        stats, invalid = await _run_worker(res.jobs, options, placement.load_mode is LoadMode.DIRECT_IO, on_progress)
+        stats, invalid = await _run_worker(
+            lambda: build(index, placement, devices, res),
+            res,
+            sum(t.nbytes for t in placement.tensors),
+            options,
+            placement.load_mode is LoadMode.DIRECT_IO,
+            on_progress,
+        )
         if invalid:
             listed = "; ".join(f"tensor '{name}': {found.reason}" for name, found in invalid.items())
             raise InvalidDataError(
@@ -197,9 +203,16 @@ async def load_plan(
 
 
 async def _run_worker(
-    jobs: list[TensorJob], options: LoadOptions, direct: bool, on_progress: ProgressCallback | None
+    prepare: Callable[[], None],
+    res: Resources,
+    total: int,
+    options: LoadOptions,
+    direct: bool,
+    on_progress: ProgressCallback | None,
 ) -> tuple[WorkerStats, dict[str, Any]]:
-    """Run the jobs on a loader thread; returns its stats and the invalid tensors.
+    """On a loader thread, ``prepare`` (map, allocate, lock: blocking work that stays off
+    the event loop) then run the jobs it put in ``res``; returns the loader's stats and
+    the invalid tensors.
 
     Raises:
         LoadCancelledError: the callback asked to stop.
@@ -209,7 +222,6 @@ async def _run_worker(
     loop = asyncio.get_running_loop()
     cancel = threading.Event()
     done_future: asyncio.Future[None] = loop.create_future()
-    total = sum(j.nbytes for j in jobs)
     state = {"done": 0, "by_callback": False}
 
     def deliver(n: int) -> None:
@@ -223,7 +235,7 @@ async def _run_worker(
         if n:
             loop.call_soon_threadsafe(deliver, n)
 
-    worker = Worker(jobs, options, direct=direct, cancel=cancel, report=report)
+    worker = Worker(res.jobs, options, direct=direct, cancel=cancel, report=report)
 
     def finish(exc: BaseException | None) -> None:
         if done_future.done():
@@ -236,7 +248,10 @@ async def _run_worker(
     def body() -> None:
         error: BaseException | None = None
         try:
-            worker.run()
+            prepare()
+            worker.jobs = res.jobs
+            if not cancel.is_set():
+                worker.run()
         except BaseException as exc:  # handed to the awaiting task
             error = exc
         loop.call_soon_threadsafe(finish, error)

@@ -31,7 +31,7 @@ from service.io.align import align_up
 from service.io.mapping import Mapping
 from service.io.mlock import MemoryLock
 from service.loader.devices import Device, DeviceBuffer
-from service.loader.placement import LoadMode, Plan
+from service.loader.placement import LoadMode, Plan, TensorPlacement
 from service.loader.weights import WeightIndex
 
 Branch = Literal["mapped", "lazy", "copy", "read", "staged", "sync"]
@@ -124,6 +124,13 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
             continue
         dev = by_name[b.device]
         buft = next(bt for bt in dev.buffer_types() if bt.name == b.buffer_type)
+        if buft.is_host and len(b.chunks) == 1:
+            offsets, size = host_layout([p.tensors[i] for i in b.tensors], buft.alignment)
+            buf = dev.alloc(buft, size)
+            res.buffers.append(buf)
+            for i, off in zip(b.tensors, offsets, strict=True):
+                dest_of[i] = (buf, off, dev)
+            continue
         chunks = iter(b.chunks)
         buf = dev.alloc(buft, next(chunks))
         res.buffers.append(buf)
@@ -192,6 +199,38 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
     res.jobs = order_jobs(res.jobs, p)
 
 
+RUN_ALIGNMENT = 4096
+"""Alignment that host-buffer runs keep with the file (direct I/O block size)."""
+
+
+def host_layout(tensors: Sequence[TensorPlacement], alignment: int) -> tuple[list[int], int]:
+    """Offsets of ``tensors`` (in file order) in a host buffer, and the bytes to allocate.
+
+    Tensors that follow each other in the file as they would in the buffer (same gap,
+    the padding to ``alignment``) form a run, read with one call. Each run starts at an
+    offset congruent to its file offset modulo :data:`RUN_ALIGNMENT`, with at least that
+    much free space before it and after the last one, so that direct reads of a run's
+    aligned superset can go straight into the buffer without touching another run.
+    The buffer's size in the memory report stays llama.cpp's (tensors padded to
+    ``alignment``); only the allocation holds this slack.
+    """
+    a = RUN_ALIGNMENT
+    offsets: list[int] = []
+    pos = 0
+    prev: TensorPlacement | None = None
+    prev_pos = 0
+    for t in tensors:
+        follow = prev_pos + align_up(prev.nbytes, alignment) if prev is not None else 0
+        if prev is not None and t.file_index == prev.file_index and t.offset - prev.offset == follow - prev_pos:
+            pos = follow
+        else:
+            pos = follow + a + (t.offset - follow - a) % a
+        offsets.append(pos)
+        prev, prev_pos = t, pos
+    end = prev_pos + align_up(prev.nbytes, alignment) if prev is not None else 0
+    return offsets, end + a
+
+
 def order_jobs(jobs: list[TensorJob], p: Plan) -> list[TensorJob]:
     """Load order: contexts in order (without mmap, device contexts before host ones);
     within a context, without mmap, staged tensors first and biggest first."""
@@ -208,5 +247,6 @@ def order_jobs(jobs: list[TensorJob], p: Plan) -> list[TensorJob]:
     contexts.sort(key=lambda ctx: not any(on_device(j) for j in ctx))
     out: list[TensorJob] = []
     for ctx in contexts:
-        out.extend(sorted(ctx, key=lambda j: (not on_device(j), -j.nbytes if on_device(j) else 0)))
+        # staged first, biggest first; host tensors in buffer (file) order, so runs coalesce
+        out.extend(sorted(ctx, key=lambda j: (not on_device(j), -j.nbytes if on_device(j) else j.dest_offset)))
     return out

@@ -33,6 +33,8 @@ class LoadOptions:
         check_tensors: validate every tensor's data (NaN/Inf in values and block scales)
             while loading; every bad tensor is listed before the load fails.
         validation_workers: threads validating data in parallel with reading.
+        direct_chunk_nbytes: bytes per direct read straight into a host buffer (rounded
+            up to the filesystem's alignment); progress is still reported per tensor.
     """
 
     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
@@ -40,6 +42,7 @@ class LoadOptions:
     staging_nbytes: int | None = None
     check_tensors: bool = False
     validation_workers: int = 2
+    direct_chunk_nbytes: int = DIRECT_IO_STAGING_NBYTES
 
     def __post_init__(self) -> None:
         if self.chunk_nbytes < 1:

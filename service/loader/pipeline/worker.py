@@ -24,7 +24,7 @@ from service.io.direct import DirectFile
 from service.io.staging import FutureWaitable, PoolStats, StagingPool
 from service.loader.devices import Device, DeviceBuffer, Stream
 from service.loader.ggml_types import GGML_TYPES_BY_NAME
-from service.loader.pipeline.layout import TensorJob
+from service.loader.pipeline.layout import RUN_ALIGNMENT, TensorJob
 from service.loader.pipeline.options import LoadOptions
 from service.loader.validate import InvalidData, validate_row_data
 
@@ -56,6 +56,27 @@ class WorkerStats:
             "direct_io_files": list(self.direct_io),
             "notices": list(self.notices),
         }
+
+
+def runs(jobs: Sequence[TensorJob]) -> list[list[TensorJob]]:
+    """Group consecutive jobs that one call can serve: mapped tensors contiguous in a
+    file (a gap below 4096 bytes is padding), and host reads contiguous in the file as in
+    their buffer. Every other job is a run of its own."""
+    out: list[list[TensorJob]] = []
+    for job in jobs:
+        if out:
+            prev = out[-1][-1]
+            same = prev.branch == job.branch and prev.file_index == job.file_index
+            if same and job.branch == "mapped" and prev.lock is job.lock:
+                if 0 <= job.offset - (prev.offset + prev.nbytes) < RUN_ALIGNMENT:
+                    out[-1].append(job)
+                    continue
+            if same and job.branch == "read" and prev.dest is job.dest:
+                if job.offset - prev.offset == job.dest_offset - prev.dest_offset > 0:
+                    out[-1].append(job)
+                    continue
+        out.append([job])
+    return out
 
 
 class _DevicePool:
@@ -171,40 +192,111 @@ class Worker:
 
     # -- branches -------------------------------------------------------------------------
 
-    def _mapped(self, job: TensorJob) -> None:
-        assert job.mapping is not None
+    def _report_run(
+        self,
+        run: Sequence[TensorJob],
+        covered: tuple[int, int],
+        state: list[int],
+        complete: Callable[[TensorJob], object],
+    ) -> None:
+        """Report the tensor bytes of ``run`` inside the file range ``covered`` (``state``
+        is [next job, bytes of it already reported]) and call ``complete`` on each job
+        whose bytes are all in place."""
+        lo, hi = covered
+        while state[0] < len(run):
+            job = run[state[0]]
+            end = job.offset + job.nbytes
+            upto = min(hi, end) - max(lo, job.offset + state[1])
+            if upto > 0:
+                state[1] += upto
+                self._done(job, upto)
+            if state[1] < job.nbytes or hi < end:
+                break
+            complete(job)
+            state[0] += 1
+            state[1] = 0
+
+    def _mapped(self, run: Sequence[TensorJob]) -> None:
+        """Fault in a run of mapped tensors (contiguous in the file) chunk by chunk."""
+        first, last = run[0], run[-1]
+        mapping = first.mapping
+        assert mapping is not None
+        begin, end = first.offset, last.offset + last.nbytes
+        chunk = self.options.chunk_nbytes
+        state = [0, 0]
+
+        def complete(job: TensorJob) -> None:
+            self._validate(job, mapping.array(job.offset, job.nbytes))
+
+        for lo in range(begin, max(end, begin + 1), chunk):
+            if self.cancel.is_set():
+                return
+            hi = min(lo + chunk, end)
+            mapping.populate(lo, hi - lo)
+            self._report_run(run, (lo, hi), state, complete)
+        if first.lock is not None:
+            warning = first.lock.grow_to(end)
+            if warning:
+                self.stats.notices.append(warning)
+
+    def _copy(self, job: TensorJob) -> None:
+        """Under mmap, copy a tensor from the mapping into its (allocated) buffer."""
+        assert job.mapping is not None and job.dest is not None
         chunk = self.options.chunk_nbytes
         for start in range(0, job.nbytes, chunk):
             if self.cancel.is_set():
                 return
             n = min(chunk, job.nbytes - start)
             job.mapping.populate(job.offset + start, n)
-            if job.branch == "copy":
-                assert job.dest is not None
-                job.dest.write(job.dest_offset + start, job.mapping.array(job.offset + start, n))
+            job.dest.write(job.dest_offset + start, job.mapping.array(job.offset + start, n))
             self._done(job, n)
-        if job.lock is not None:
-            warning = job.lock.grow_to(job.offset + job.nbytes)
-            if warning:
-                self.stats.notices.append(warning)
         self._validate(job, job.mapping.array(job.offset, job.nbytes))
 
-    def _read(self, job: TensorJob) -> None:
-        assert job.dest is not None
-        view = job.dest.view(job.dest_offset, job.nbytes)
-        f = self._file(job)
-        chunk = self.options.chunk_nbytes
-        for start in range(0, job.nbytes, chunk):
+    def _read(self, run: Sequence[TensorJob]) -> None:
+        """Read a run of host tensors (contiguous in the file as in their buffer) straight
+        into the buffer: buffered, or direct reads of the aligned superset, whose head and
+        tail land in the slack the host layout leaves around runs."""
+        first, last = run[0], run[-1]
+        assert first.dest is not None
+        f = self._file(first)
+        begin, end = first.offset, last.offset + last.nbytes
+        state = [0, 0]
+
+        def complete(job: TensorJob) -> None:
+            assert job.dest is not None
+            self._validate(job, job.dest.view(job.dest_offset, job.nbytes))
+
+        pos = begin
+        if pos == end:
+            self._report_run(run, (pos, end), state, complete)
+        while pos < end:
             if self.cancel.is_set():
                 return
-            n = min(chunk, job.nbytes - start)
-            self._read_into(f, job, view[start : start + n], job.offset + start)
-            self._done(job, n)
-        self._validate(job, view)
+            a = f.alignment
+            if a > 1 and a <= RUN_ALIGNMENT:
+                read_from = align_down(pos, a)
+                n = min(align_up(self.options.direct_chunk_nbytes, a), align_up(end, a) - read_from)
+                dest = first.dest.view(first.dest_offset + (read_from - begin), n)
+                got = f.read_aligned(dest.data, read_from)
+                hi = min(read_from + got, end)
+                if hi <= pos:
+                    raise StorageError(
+                        f"unexpected end of file in the data of tensor '{run[state[0]].name}'",
+                        path=first.path,
+                        offset=pos,
+                        tensor=run[state[0]].name,
+                    )
+            else:
+                hi = min(pos + self.options.chunk_nbytes, end)
+                dest = first.dest.view(first.dest_offset + (pos - begin), hi - pos)
+                self._read_into(f, run[state[0]], dest, pos)
+            self._report_run(run, (pos, hi), state, complete)
+            pos = hi
 
     def _read_into(self, f: DirectFile, job: TensorJob, dest: np.ndarray[Any, Any], offset: int) -> None:
+        bounce = self._bounce_buffer(f.alignment) if f.direct else np.empty(0, dtype=np.uint8)
         try:
-            f.read_into(dest.data, offset, self._bounce_buffer(f.alignment))
+            f.read_into(dest.data, offset, bounce)
         except StorageError as exc:
             raise StorageError(exc.message, path=exc.path, offset=exc.offset, tensor=job.name) from exc
 
@@ -289,16 +381,19 @@ class Worker:
             for job in self.jobs:
                 if job.branch in ("read", "staged", "sync"):
                     self._file(job)
-        for job in self.jobs:
+        for run in runs(self.jobs):
             if self.cancel.is_set():
                 break
-            if job.branch in ("mapped", "copy"):
-                self._mapped(job)
+            job = run[0]
+            if job.branch == "mapped":
+                self._mapped(run)
+            elif job.branch == "read":
+                self._read(run)
+            elif job.branch == "copy":
+                self._copy(job)
             elif job.branch == "lazy":
                 self._validate(job, job.mapping.array(job.offset, job.nbytes) if job.mapping else None)
                 self._done(job, job.nbytes)
-            elif job.branch == "read":
-                self._read(job)
             elif job.branch == "staged":
                 self._staged(job)
             else:

@@ -181,7 +181,8 @@ def build_buffers(
     for key in sorted(members):
         lazy, name = key
         dev, buft = bufts[name]
-        own_idx = members[key]
+        # tensors lie in a buffer in file order, so that reads of neighbours coalesce
+        own_idx = sorted(members[key], key=lambda i: (tensors[i].file_index, tensors[i].offset))
         memory = "CPU" if buft.is_host else dev.name
         wraps = (use_mmap or lazy) and dev.caps.buffer_from_host_ptr and buft is dev.default_buffer_type
         if not wraps:

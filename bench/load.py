@@ -1,0 +1,169 @@
+"""Load speed and memory: every load mode, onto the host and onto an emulated device,
+against a plain sequential read of the same file measured in the same run.
+
+    .venv/bin/python bench/load.py [PATH] [--repeat N] [--modes none,mmap,...]
+
+PATH defaults to the sample model (placed with ``hoist sample``). Every measurement runs
+in a fresh process, so that each one starts with no memory of its own and its peak RSS
+is its own; the header is parsed before the clock starts (``bench/parse.py`` measures
+that). The baselines read the file's tensor data into a fresh buffer of that size,
+with the same calls the loader makes: ``preadv`` of 16 MiB chunks (buffered), and
+``O_DIRECT`` reads of 64 MiB chunks (for ``direct-io``). The page cache is warm for
+buffered reads and mmap (run once first); direct reads bypass it.
+
+Prints, per configuration: the median time, GB/s of tensor data, the ratio to its
+baseline (baseline time / load time: 1.0 is as fast as a plain read), and the RSS the
+load added at its peak against tensor bytes + staging pool + 64 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+CHUNK = 16 * MiB
+DIRECT_CHUNK = 64 * MiB
+
+
+def _rss() -> int:
+    """Current resident set size in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _data_range(path: str) -> tuple[int, int, int]:
+    from service.loader.weights import open_model
+
+    index = open_model(path)
+    first = min(w.offset for w in index.weights.values())
+    last = max(w.end for w in index.weights.values())
+    return first, last, index.nbytes
+
+
+def child(kind: str, path: str, mode: str) -> dict[str, Any]:
+    """One measurement, in this (fresh) process; the header is parsed before timing."""
+    from service.io.align import align_down, align_up, aligned_empty
+    from service.loader.devices import discover_devices
+    from service.loader.pipeline import LoadOptions, load_model
+    from service.loader.placement import make_params
+    from service.loader.weights import open_model
+
+    first, last, tensor_bytes = _data_range(path)
+    index = open_model(path)
+    before = _rss()
+    start = time.perf_counter()
+    staging = 0
+    if kind == "baseline":
+        buf = aligned_empty(last - first + 2 * 4096)
+        if mode == "direct":
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            pos = align_down(first, 4096)
+            end = align_up(last, 4096)
+            while pos < end:
+                n = min(DIRECT_CHUNK, end - pos)
+                got = os.preadv(fd, [buf[pos - align_down(first, 4096) :][:n].data], pos)
+                if got <= 0:
+                    break
+                pos += got
+        else:
+            fd = os.open(path, os.O_RDONLY)
+            pos = first
+            while pos < last:
+                n = min(CHUNK, last - pos)
+                pos += os.preadv(fd, [buf[pos - first :][:n].data], pos)
+        os.close(fd)
+    else:
+        spec = "EMU0=64GiB" if kind == "emu" else ""
+        devices = discover_devices(spec, cuda=False)
+        params = make_params(
+            [d.default_buffer_type.name for d in devices], load_mode=mode, n_gpu_layers="all", no_host=True
+        )
+        options = LoadOptions()
+        model = asyncio.run(load_model(index, devices=devices, params=params, options=options))
+        staging = sum(p.buffers for p in model.stats.pools.values()) * options.staging_size(
+            4096 if mode == "direct-io" else 1
+        )
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "seconds": seconds,
+        "tensor_bytes": tensor_bytes,
+        "rss_before": before,
+        "rss_peak": peak,
+        "staging_bytes": staging,
+    }
+
+
+def measure(kind: str, path: str, mode: str, repeat: int) -> list[dict[str, Any]]:
+    runs = []
+    for _ in range(repeat):
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", kind, path, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        runs.append(json.loads(out.stdout))
+    return runs
+
+
+def default_path() -> Path:
+    from service.sample import place_sample
+
+    return place_sample(Path("models"))
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        sys.stdout.write(json.dumps(child(sys.argv[2], sys.argv[3], sys.argv[4])))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", nargs="?", type=Path)
+    parser.add_argument("--repeat", type=int, default=5, help="runs per configuration (default 5)")
+    parser.add_argument("--modes", default="none,mmap,mlock,mmap+mlock,direct-io")
+    args = parser.parse_args()
+    path = str(args.path or default_path())
+    measure("baseline", path, "buffered", 1)  # warm the page cache
+
+    def median(runs: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    baselines = {
+        "buffered": measure("baseline", path, "buffered", args.repeat),
+        "direct": measure("baseline", path, "direct", args.repeat),
+    }
+    tensor_bytes = baselines["buffered"][0]["tensor_bytes"]
+    lines = [f"file: {path} ({tensor_bytes / MiB:.2f} MiB of tensor data), median of {args.repeat} runs each"]
+    for name, runs in baselines.items():
+        t = median(runs, "seconds")
+        lines.append(f"baseline {name:<8} read            {t * 1000:8.1f} ms  {tensor_bytes / t / 1e9:6.2f} GB/s")
+    header = f"{'mode':<11} {'target':<5} {'time':>10} {'GB/s':>7} {'ratio':>6}   {'RSS added':>10} {'bound':>10}"
+    lines.append(header)
+    for mode in args.modes.split(","):
+        base = median(baselines["direct" if mode == "direct-io" else "buffered"], "seconds")
+        for kind in ("host", "emu"):
+            runs = measure(kind, path, mode, args.repeat)
+            t = median(runs, "seconds")
+            added = median([{"x": r["rss_peak"] - r["rss_before"]} for r in runs], "x")
+            bound = tensor_bytes + runs[0]["staging_bytes"] + 64 * MiB
+            verdict = "" if kind == "emu" else ("  ok" if added <= bound else "  OVER")
+            lines.append(
+                f"{mode:<11} {kind:<5} {t * 1000:8.1f}ms {tensor_bytes / t / 1e9:7.2f} {base / t:6.2f}   "
+                f"{added / MiB:8.1f}Mi {bound / MiB:8.1f}Mi{verdict}"
+            )
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
