@@ -20,15 +20,13 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
-from rich.text import Text
 
 from service import __version__
 from service.errors import HoistError
 from service.loader import pipeline
 from service.loader.devices import Device, discover_devices, parse_size
 from service.loader.placement import LoadMode, PlacementParams, Plan, make_params, plan
-from service.loader.summary import printable, summarize, value_text
+from service.loader.summary import printable, summarize, value_text, write_json
 from service.loader.weights import open_model
 
 MiB = 1 << 20
@@ -53,42 +51,60 @@ def _progress_bar() -> Progress:
         TransferSpeedColumn(),
         TimeRemainingColumn(),
         console=err,
-        transient=False,
+        transient=True,
     )
 
 
 # -- inspect ------------------------------------------------------------------------------
 
 
+def _columns(rows: Sequence[tuple[str, ...]], right: frozenset[int] = frozenset()) -> list[str]:
+    """Rows as aligned text columns (plain text: fast for any number of rows)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     index = open_model(args.path)
     if args.json:
-        sys.stdout.write(json.dumps(summarize(index), indent=1, allow_nan=False) + "\n")
+        write_json(summarize(index, lazy_arrays=True), sys.stdout)
+        sys.stdout.write("\n")
         return 0
     info = summarize(index, max_items=8)
-    out.print(printable(info["path"]), style="bold")
-    out.print(f"file format = {info['file_format']}, {info['byte_order']}-endian")
-    out.print(f"file type   = {info['file_type_name']}")
-    out.print(f"file size   = {info['size']} of tensor data; {info['file_size_bytes']} bytes on disk")
-    per_type = ", ".join(f"{t}: {n}" for t, n in info["tensor_types"].items())
-    out.print(f"tensors     = {info['n_tensors']} ({per_type})")
+    lines = [
+        printable(info["path"]),
+        f"file format = {info['file_format']}, {info['byte_order']}-endian",
+        f"file type   = {info['file_type_name']}",
+        f"file size   = {info['size']} of tensor data; {info['file_size_bytes']} bytes on disk",
+        f"tensors     = {info['n_tensors']} ({', '.join(f'{t}: {n}' for t, n in info['tensor_types'].items())})",
+    ]
     if len(info["splits"]) > 1:
-        out.print(f"splits      = {len(info['splits'])}")
-        for s in info["splits"]:
-            out.print(f"  {s['index'] + 1}: {printable(s['path'])} ({s['n_tensors']} tensors)")
-    kv = Table(title=f"KV metadata: {len(info['metadata'])}", title_justify="left")
-    for col in ("key", "type", "value"):
-        kv.add_column(col, overflow="fold")
-    for entry in index.metadata.kv.values():
-        kv.add_row(Text(printable(entry.key)), Text(entry.type_name), Text(value_text(entry.value)))
-    out.print(kv)
-    tensors = Table(title=f"tensors: {info['n_tensors']}", title_justify="left")
-    for col, justify in (("name", "left"), ("type", "left"), ("ne", "left"), ("bytes", "right"), ("offset", "right")):
-        tensors.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for t in info["tensors"]:
-        where = f"{t['split'] + 1}:{t['offset']}" if len(info["splits"]) > 1 else str(t["offset"])
-        tensors.add_row(Text(printable(t["name"])), t["type"], str(tuple(t["ne"])), str(t["bytes"]), where)
-    out.print(tensors)
+        lines.append(f"splits      = {len(info['splits'])}")
+        lines += [f"  {s['index'] + 1}: {printable(s['path'])} ({s['n_tensors']} tensors)" for s in info["splits"]]
+    lines += ["", f"KV metadata: {len(info['metadata'])}"]
+    kv = [("key", "type", "value")]
+    kv += [(printable(e.key), e.type_name, value_text(e.value)) for e in index.metadata.kv.values()]
+    lines += _columns(kv)
+    lines += ["", f"tensors: {info['n_tensors']}"]
+    split = len(info["splits"]) > 1
+    rows = [("name", "type", "ne", "bytes", "offset")]
+    rows += [
+        (
+            printable(t["name"]),
+            t["type"],
+            str(tuple(t["ne"])),
+            str(t["bytes"]),
+            f"{t['split'] + 1}:{t['offset']}" if split else str(t["offset"]),
+        )
+        for t in info["tensors"]
+    ]
+    lines += _columns(rows, right=frozenset({3, 4}))
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 

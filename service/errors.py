@@ -33,6 +33,16 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+_MAX_MESSAGE = 2000
+_MAX_FIELD = 512
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters (with the length cut off noted)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
 
 class HoistError(Exception):
     """Base class: a clear message naming the file, and the key, tensor or offset involved.
@@ -58,11 +68,12 @@ class HoistError(Exception):
         tensor: str | None = None,
         hint: str | None = None,
     ) -> None:
-        self.message = message
-        self.path = path
+        # names and values from a file can be long: messages stay readable and bounded
+        self.message = clip(message, _MAX_MESSAGE)
+        self.path = path if path is None else clip(path, _MAX_FIELD)
         self.offset = offset
-        self.key = key
-        self.tensor = tensor
+        self.key = key if key is None else clip(key, _MAX_FIELD)
+        self.tensor = tensor if tensor is None else clip(tensor, _MAX_FIELD)
         self.hint = hint
         super().__init__(self.describe())
 

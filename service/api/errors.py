@@ -57,12 +57,13 @@ def public_error(exc: HoistError, models_dir: str) -> dict[str, Any]:
     responses do not reveal where the server keeps its files."""
     data = exc.to_dict()
     prefixes = {os.path.join(models_dir, ""), os.path.join(os.path.realpath(models_dir), "")}
-    for key in ("message", "path", "hint"):
+    for key in ("message", "path", "hint", "key", "tensor"):
         value = data.get(key)
         if isinstance(value, str):
             for prefix in prefixes:
                 value = value.replace(prefix, "")
-            data[key] = value
+            # file names need not be UTF-8; JSON must be
+            data[key] = value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     return data
 
 

@@ -122,26 +122,39 @@ class ResidentModel:
     loaded_at: datetime = field(default_factory=_now)
 
 
+MAX_MODEL_PATH = 4096
+"""Longest model path a request may give, in bytes (PATH_MAX)."""
+
+
 async def resolve_model_path(models_dir: str, model: str) -> str:
-    """The file that request path ``model`` names inside ``models_dir``.
+    """The file that request path ``model`` names inside ``models_dir``, as a path inside
+    the models directory (symbolic links inside it are kept, so that split siblings are
+    found next to the name given).
 
     Raises:
-        RequestError: the path is empty, absolute, or leaves the models directory
-            (through ``..`` or a symbolic link).
+        RequestError: the path is empty, too long, absolute, not in normal form, or leaves
+            the models directory (through ``..`` or a symbolic link).
         ModelPathError: no such file.
     """
     try:
-        model.encode("utf-8")
+        encoded = model.encode("utf-8")
     except UnicodeEncodeError:
-        raise RequestError(f"model path {ascii(model)} is not valid UTF-8") from None
+        raise RequestError(f"model path {ascii(model[:200])} is not valid UTF-8") from None
+    if len(encoded) > MAX_MODEL_PATH or any(len(part) > 255 for part in encoded.split(b"/")):
+        raise RequestError(f"model path is too long ({len(encoded)} bytes; at most {MAX_MODEL_PATH}, 255 per name)")
     if not model or os.path.isabs(model) or "\0" in model or model.endswith("/"):
         raise RequestError(f"model path {model!r} must name a file relative to the models directory")
     if os.path.normpath(model) != model:
         raise RequestError(f"model path {model!r} is not in normal form (write {os.path.normpath(model)!r})")
-    root = os.path.realpath(models_dir)
-    path = os.path.realpath(os.path.join(root, model))
-    if os.path.commonpath([root, path]) != root:
-        raise RequestError(f"model path '{model}' leaves the models directory")
+
+    def inside() -> str:
+        root = os.path.realpath(models_dir)
+        path = os.path.join(root, model)
+        if os.path.commonpath([root, os.path.realpath(path)]) != root:
+            raise RequestError(f"model path '{model}' leaves the models directory")
+        return path
+
+    path = await asyncio.to_thread(inside)
     if not await aiofiles.os.path.isfile(path):
         raise ModelPathError(f"no model file '{model}' in the models directory")
     return path

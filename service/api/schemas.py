@@ -13,7 +13,9 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="Path of the GGUF file (or its first split), relative to the models directory.")
+    model: str = Field(
+        max_length=4096, description="Path of the GGUF file (or its first split), relative to the models directory."
+    )
     n_gpu_layers: int | Literal["all", "auto"] | None = Field(
         default=None, description="Layers to offload, counting the output layer (-ngl); default all."
     )

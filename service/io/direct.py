@@ -32,6 +32,7 @@ class DirectFile:
         size: its size in bytes.
         alignment: required alignment of offsets, lengths and addresses in bytes (1 when
             reads are buffered).
+        identity: (device, inode, size, mtime in ns) of the opened file.
         fallback: why direct I/O is not in use although it was asked for, else None.
 
     Raises (constructor):
@@ -59,7 +60,9 @@ class DirectFile:
                 self.alignment = max(st.st_blksize, 512)
         if self.fd < 0:
             self.fd = open_readonly(path)
-        self.size = os.fstat(self.fd).st_size
+        st = os.fstat(self.fd)
+        self.size = st.st_size
+        self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     @property
     def direct(self) -> bool:

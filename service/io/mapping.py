@@ -71,6 +71,7 @@ class Mapping:
     Attributes:
         path: the mapped file.
         size: the file's size in bytes (the mapping's length).
+        identity: (device, inode, size, mtime in ns) of the file that was mapped.
         addr: the start address of the mapping.
         fragments: the still-mapped ``[start, end)`` byte ranges, page-aligned except at
             the end of the file.
@@ -83,7 +84,9 @@ class Mapping:
         self.path = path
         fd = open_readonly(path)
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self.size = st.st_size
+            self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             if self.size == 0:
                 raise StorageError("cannot map an empty file", path=path)
             if sequential:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
-from typing import Any
+from typing import Any, TextIO
 
 from gguf import GGUFValueType
 
@@ -68,12 +69,56 @@ def value_text(value: Any, *, max_items: int = 8) -> str:
     return str(value)
 
 
-def summarize(index: WeightIndex, *, max_items: int | None = None) -> dict[str, Any]:
+_CHUNK = 1 << 16
+
+
+def write_json(data: Any, out: TextIO, *, indent: int = 0) -> None:
+    """Write ``data`` (JSON-ready values, where metadata arrays may be left as
+    :class:`GGUFArray`) to ``out`` as JSON, streaming arrays in chunks so that a huge
+    vocabulary never exists as one list of Python objects or one string."""
+    pad = " " * indent
+    if isinstance(data, dict):
+        if not data:
+            out.write("{}")
+            return
+        out.write("{\n")
+        for i, (key, value) in enumerate(data.items()):
+            out.write(f"{pad} {json.dumps(str(key))}: ")
+            write_json(value, out, indent=indent + 1)
+            out.write(",\n" if i + 1 < len(data) else "\n")
+        out.write(pad + "}")
+    elif isinstance(data, list | tuple):
+        if not data or all(not isinstance(v, dict | list | tuple | GGUFArray) for v in data):
+            out.write(json.dumps([_finite(v) for v in data], allow_nan=False))
+            return
+        out.write("[\n")
+        for i, value in enumerate(data):
+            out.write(pad + " ")
+            write_json(value, out, indent=indent + 1)
+            out.write(",\n" if i + 1 < len(data) else "\n")
+        out.write(pad + "]")
+    elif isinstance(data, GGUFArray):
+        out.write("[")
+        if data.element_type == GGUFValueType.STRING:
+            for i, raw in enumerate(data.iter_string_bytes()):
+                out.write(("," if i else "") + json.dumps(raw.decode("utf-8", "replace")))
+        else:
+            values = data.numpy()
+            for start in range(0, len(values), _CHUNK):
+                chunk = [_finite(v) for v in values[start : start + _CHUNK].tolist()]
+                out.write(("," if start else "") + json.dumps(chunk, allow_nan=False)[1:-1])
+        out.write("]")
+    else:
+        out.write(json.dumps(_finite(data), allow_nan=False))
+
+
+def summarize(index: WeightIndex, *, max_items: int | None = None, lazy_arrays: bool = False) -> dict[str, Any]:
     """The model's description as JSON-ready data.
 
     Args:
         index: the model.
         max_items: cut array values to this many elements (None: full arrays).
+        lazy_arrays: leave full array values as :class:`GGUFArray` (for :func:`write_json`).
     """
     meta = index.metadata
     file_type = meta.get("general.file_type")
@@ -108,7 +153,13 @@ def summarize(index: WeightIndex, *, max_items: int | None = None) -> dict[str, 
             for i, f in enumerate(index.files)
         ],
         "metadata": [
-            {"key": e.key, "type": e.type_name, "value": value_json(e.value, max_items=max_items)}
+            {
+                "key": e.key,
+                "type": e.type_name,
+                "value": e.value
+                if lazy_arrays and max_items is None and isinstance(e.value, GGUFArray)
+                else value_json(e.value, max_items=max_items),
+            }
             for e in meta.kv.values()
         ],
         "tensors": [

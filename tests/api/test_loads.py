@@ -206,10 +206,12 @@ def test_split_model_over_http(live_server: str, models_dir: Path, all_types_fix
 @pytest.mark.parametrize(
     ("raw_json", "status"),
     [
-        ('{"model": "bad\\udcff.gguf"}', 400),  # a lone surrogate: not a UTF-8 file name
-        ('{"model": "\\ud800"}', 400),
+        ('{"model": "bad\\udcff.gguf"}', 422),  # a lone surrogate: not a UTF-8 string
+        ('{"model": "\\ud800"}', 422),
         ('{"model": "x.gguf/"}', 400),
         ('{"model": ""}', 400),
+        ('{"model": "' + "a/../" * 1000 + 'x.gguf"}', 422),  # over 4096 bytes
+        ('{"model": "' + "a/" * 1000 + 'x.gguf"}', 404),  # 2006 bytes, resolved off the event loop
         ('{"model": "x.gguf"', 422),  # malformed JSON
     ],
 )
@@ -230,3 +232,33 @@ def test_errors_do_not_reveal_the_models_dir(live_server: str, models_dir: Path,
         assert resp.status_code == 422
         assert str(models_dir) not in resp.text and str(models_dir.resolve()) not in resp.text
         assert resp.json()["detail"].startswith("cut.gguf: ")
+
+
+def test_symlinked_splits_inside_the_models_dir(live_server: str, models_dir: Path, all_types_fixture: Fixture) -> None:
+    """A Hugging Face cache: split names are links to content-addressed blobs."""
+    from tests.helpers import split_gguf
+
+    blobs = models_dir / "blobs"
+    snap = models_dir / "snap"
+    blobs.mkdir()
+    snap.mkdir()
+    for i, part in enumerate(split_gguf(all_types_fixture.path, blobs / "x", [3, 4])):
+        blob = blobs / f"sha256-{i}"
+        part.rename(blob)
+        (snap / part.name).symlink_to(Path("..") / "blobs" / blob.name)
+    with httpx.Client(base_url=live_server) as client:
+        resp = client.post("/v1/loads", json={"model": "snap/x-00001-of-00002.gguf"})
+        assert resp.status_code == 202, resp.text
+        assert wait_for(client, resp.headers["location"], {"succeeded", "failed"})["state"] == "succeeded"
+
+
+def test_a_file_name_that_is_not_utf8_behind_a_link(live_server: str, models_dir: Path) -> None:
+    target = os.fsencode(models_dir) + b"/bad\xff.gguf"
+    with open(target, "wb") as f:
+        f.write(b"not a gguf file at all, but long enough")
+    (models_dir / "link.gguf").symlink_to(os.fsdecode(target))
+    with httpx.Client(base_url=live_server) as client:
+        resp = client.post("/v1/loads", json={"model": "link.gguf"})
+        assert resp.status_code == 422
+        assert resp.json()["code"] == "not_gguf"
+        assert client.get("/v1/loads").status_code == 200

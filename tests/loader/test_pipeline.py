@@ -202,9 +202,23 @@ async def test_file_shrinking_during_load_is_a_clear_error(tmp_path: Path, align
     index = open_model(path)
     with open(path, "r+b") as f:
         f.truncate(index.files[0].data_offset + 10)
-    with pytest.raises(StorageError, match="unexpected end of file"):
+    with pytest.raises(StorageError, match="changed since its header was read .* bytes then"):
         await load_model(index, load_mode="none")
     assert fds_on(path) == 0 and load_threads() == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_file_replaced_after_parsing_is_refused(tmp_path: Path, mode: str) -> None:
+    from service.errors import StorageError
+
+    f32 = gguf.GGMLQuantizationType.F32
+    path = write_fixture(tmp_path / "m.gguf", tensors={"w": (np.arange(64, dtype=np.float32), f32)}).path
+    other = write_fixture(tmp_path / "o.gguf", tensors={"w": (np.ones(64, dtype=np.float32), f32)}).path
+    index = open_model(path)
+    other.replace(path)  # same size, other bytes: a download finishing, a cp over the file
+    with pytest.raises(StorageError, match="changed since its header was read"):
+        await load_model(index, load_mode=mode)
+    assert fds_on(path) == 0 and mappings_of(path) == 0
 
 
 async def test_file_shrinking_under_a_mapping_is_a_clear_error(tmp_path: Path) -> None:

@@ -337,3 +337,26 @@ def test_p05_buffers_split_at_the_largest_allocation(tmp_path: Path) -> None:
             assert t.data.tobytes() == raw[w.offset : w.end]
     with pytest.raises(PlacementError, match="too large to fit in a EMU0 buffer"):
         plan(open_model(path), devices("EMU0=1GiB:max_alloc=1KiB"), params)
+
+
+def test_tensor_data_larger_than_the_host_is_refused_before_allocating(tmp_path: Path) -> None:
+    import struct
+
+    from gguf import GGUFValueType as V
+
+    from tests.helpers import gguf_kv, gguf_tensor_info, raw_gguf
+
+    i8 = 24
+    huge = 1 << 40  # 1 TiB of I8 data in a sparse file
+    header = raw_gguf(
+        [gguf_kv("general.architecture", V.STRING, struct.pack("<Q", 5) + b"llama")],
+        [gguf_tensor_info("w", [huge], i8, 0)],
+    )
+    path = tmp_path / "sparse.gguf"
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + huge)
+    with pytest.raises(BudgetExceededError, match="CPU needs .* MiB"):
+        asyncio.run(load_model(open_model(path), load_mode="none"))
+    p = plan(open_model(path), [CPUDevice()], make_params([], load_mode="mmap"))
+    assert p.fits  # mapped, not allocated

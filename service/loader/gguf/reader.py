@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gguf import GGUFValueType
@@ -126,6 +126,8 @@ class GGUFFile:
         alignment: ``general.alignment`` or the default 32, in bytes.
         data_offset: absolute byte offset of the data section (the aligned end of the
             tensor infos).
+        identity: (device, inode, size, mtime in ns) of the file when it was parsed, to
+            tell when it was replaced or changed since.
     """
 
     path: str
@@ -136,6 +138,7 @@ class GGUFFile:
     tensors: list[TensorInfo]
     alignment: int
     data_offset: int
+    identity: tuple[int, int, int, int] = (0, 0, 0, 0)
     _by_name: dict[str, TensorInfo] = field(default_factory=dict, repr=False, compare=False)
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -177,16 +180,28 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     name = os.fspath(path)
     fd = open_readonly(name)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         if size < HEADER_NBYTES:
-            _check_magic(os.pread(fd, 32, 0), name)
+            try:
+                head = os.pread(fd, 32, 0)
+            except OSError as exc:
+                raise StorageError(f"read failed: {exc.strerror}", path=name, offset=0) from exc
+            _check_magic(head, name)
             raise NotGGUFError(
                 f"file too small to be GGUF: {size} bytes, a GGUF header has {HEADER_NBYTES}",
                 path=name,
             )
-        return _Parser(fd, size, name).parse()
+        parsed = _Parser(fd, size, name).parse()
+        return replace(parsed, identity=file_identity(st))
     finally:
         os.close(fd)
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime in ns): what changes when a file is replaced or
+    rewritten."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 _LFS_PREFIX = b"version https://git-lfs"
@@ -623,7 +638,8 @@ class _Parser:
         nbytes = ggml_type.nbytes(tuple(ne))
         # the layout (strides) of the tensor must be representable even when a dimension
         # is 0, so the size with zero dimensions counted as 1 must fit in 63 bits
-        if ggml_type.nbytes(tuple(max(d, 1) for d in ne)) > INT64_MAX:
+        layout_ne = (max(ne[0], ggml_type.block_size), *(max(d, 1) for d in ne[1:]))
+        if ggml_type.nbytes(layout_ne) > INT64_MAX:
             raise TensorInfoError(
                 f"tensor '{name}' has shape {tuple(ne)}: its size in bytes overflows 63 bits",
                 path=self.path,

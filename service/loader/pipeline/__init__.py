@@ -135,7 +135,7 @@ async def load_model(
             hint="convert it with gguf-py's `gguf-convert-endian FILE little`",
         )
     devices = list(devices) if devices is not None else [CPUDevice()]
-    placement = plan(index, devices, params)
+    placement = await asyncio.to_thread(plan, index, devices, params)
     check_budget(placement)
     return await load_plan(index, placement, devices, options=options, on_progress=on_progress)
 
@@ -157,6 +157,7 @@ async def load_plan(
     try:
         stats, invalid = await _run_worker(
             lambda: build(index, placement, devices, res),
+            {i: f.identity for i, f in enumerate(index.files)},
             res,
             sum(t.nbytes for t in placement.tensors),
             options,
@@ -170,27 +171,7 @@ async def load_plan(
                 path=index.path,
                 tensors={name: found.reason for name, found in invalid.items()},
             )
-        if placement.use_mmap:
-            _unmap_unused(placement, res.mappings)
-        tensors: dict[str, LoadedTensor] = {}
-        tied: LoadedTensor | None = None
-        mapped = {j.index for j in res.jobs if j.branch in ("mapped", "lazy")}
-        for i, t in enumerate(placement.tensors):
-            w = index.weights[t.name]
-            loaded = LoadedTensor(
-                name=t.name,
-                ggml_type=t.ggml_type,
-                ne=w.info.ne,
-                nbytes=t.nbytes,
-                buffer_type=MAPPED_BUFFER_NAME if i in mapped else t.buffer_type,
-                device=t.device,
-                data=_typed(res.views[i], t, w.info.ne),
-                lazy=t.lazy,
-            )
-            if t.role == "tied_output":
-                tied = loaded
-            else:
-                tensors[t.name] = loaded
+        tensors, tied = await asyncio.to_thread(_finish_load, index, placement, res)
     except BaseException:
         res.release()
         raise
@@ -204,6 +185,7 @@ async def load_plan(
 
 async def _run_worker(
     prepare: Callable[[], None],
+    identities: dict[int, tuple[int, int, int, int]],
     res: Resources,
     total: int,
     options: LoadOptions,
@@ -235,7 +217,7 @@ async def _run_worker(
         if n:
             loop.call_soon_threadsafe(deliver, n)
 
-    worker = Worker(res.jobs, options, direct=direct, cancel=cancel, report=report)
+    worker = Worker(res.jobs, options, direct=direct, cancel=cancel, report=report, identities=identities)
 
     def finish(exc: BaseException | None) -> None:
         if done_future.done():
@@ -278,6 +260,35 @@ async def _run_worker(
     if state["by_callback"]:
         raise LoadCancelledError("the load was cancelled by its progress callback")
     return worker.stats, dict(worker.invalid)
+
+
+def _finish_load(
+    index: WeightIndex, placement: Plan, res: Resources
+) -> tuple[dict[str, LoadedTensor], LoadedTensor | None]:
+    """Unmap what no tensor uses and give every tensor its typed view (off the event
+    loop: a model can have hundreds of thousands of tensors)."""
+    if placement.use_mmap:
+        _unmap_unused(placement, res.mappings)
+    tensors: dict[str, LoadedTensor] = {}
+    tied: LoadedTensor | None = None
+    mapped = {j.index for j in res.jobs if j.branch in ("mapped", "lazy")}
+    for i, t in enumerate(placement.tensors):
+        w = index.weights[t.name]
+        loaded = LoadedTensor(
+            name=t.name,
+            ggml_type=t.ggml_type,
+            ne=w.info.ne,
+            nbytes=t.nbytes,
+            buffer_type=MAPPED_BUFFER_NAME if i in mapped else t.buffer_type,
+            device=t.device,
+            data=_typed(res.views[i], t, w.info.ne),
+            lazy=t.lazy,
+        )
+        if t.role == "tied_output":
+            tied = loaded
+        else:
+            tensors[t.name] = loaded
+    return tensors, tied
 
 
 def _unmap_unused(placement: Plan, mappings: dict[int, Mapping]) -> None:

@@ -102,6 +102,14 @@ class Resources:
         self.mappings.clear()
 
 
+def check_identity(path: str, parsed: tuple[int, int, int, int], opened: tuple[int, int, int, int]) -> None:
+    """Raise StorageError when the file opened for data is not the one whose header was
+    parsed (replaced, rewritten or resized since)."""
+    if parsed != (0, 0, 0, 0) and parsed != opened:
+        what = f"{parsed[2]} bytes then, {opened[2]} now" if parsed[2] != opened[2] else "it was replaced or rewritten"
+        raise StorageError(f"the file changed since its header was read ({what})", path=path)
+
+
 def _host_address(buf: DeviceBuffer) -> int | None:
     view = buf.view(0, buf.nbytes)
     return int(view.ctypes.data) if isinstance(view, np.ndarray) and buf.nbytes else None
@@ -159,11 +167,7 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
     for file_index in sorted(needs_mapping):
         gguf_file = index.files[file_index]
         mapping = res.mappings[file_index] = Mapping(gguf_file.path)
-        if mapping.size != gguf_file.file_size:
-            raise StorageError(
-                f"the file changed since its header was read: {gguf_file.file_size} bytes then, {mapping.size} now",
-                path=gguf_file.path,
-            )
+        check_identity(gguf_file.path, gguf_file.identity, mapping.identity)
         for t in p.tensors:
             if t.file_index == file_index and t.nbytes:
                 # lazy ranges are read at random, on demand; the rest is needed now

@@ -24,7 +24,7 @@ from service.io.direct import DirectFile
 from service.io.staging import FutureWaitable, PoolStats, StagingPool
 from service.loader.devices import Device, DeviceBuffer, Stream
 from service.loader.ggml_types import GGML_TYPES_BY_NAME
-from service.loader.pipeline.layout import RUN_ALIGNMENT, TensorJob
+from service.loader.pipeline.layout import RUN_ALIGNMENT, TensorJob, check_identity
 from service.loader.pipeline.options import LoadOptions
 from service.loader.validate import InvalidData, validate_row_data
 
@@ -122,6 +122,8 @@ class Worker:
         direct: read with ``O_DIRECT`` (direct-io load mode).
         cancel: set to stop at the next chunk.
         report: called with the bytes of each chunk done.
+        identities: file index -> the file's identity when its header was parsed; a
+            file opened for data must still be that file.
     """
 
     def __init__(
@@ -132,8 +134,10 @@ class Worker:
         direct: bool,
         cancel: threading.Event,
         report: Callable[[int], None],
+        identities: dict[int, tuple[int, int, int, int]] | None = None,
     ) -> None:
         self.jobs = jobs
+        self.identities = identities or {}
         self.options = options
         self.direct = direct
         self.cancel = cancel
@@ -152,6 +156,7 @@ class Worker:
         f = self.files.get(job.file_index)
         if f is None:
             f = self.files[job.file_index] = DirectFile(job.path, direct=self.direct)
+            check_identity(job.path, self.identities.get(job.file_index, (0, 0, 0, 0)), f.identity)
         return f
 
     def _alignment(self) -> int:
@@ -232,7 +237,11 @@ class Worker:
             if self.cancel.is_set():
                 return
             hi = min(lo + chunk, end)
-            mapping.populate(lo, hi - lo)
+            try:
+                mapping.populate(lo, hi - lo)
+            except StorageError as exc:
+                name = run[min(state[0], len(run) - 1)].name
+                raise StorageError(exc.message, path=exc.path, offset=exc.offset, tensor=name) from exc
             self._report_run(run, (lo, hi), state, complete)
         if first.lock is not None:
             warning = first.lock.grow_to(end)
