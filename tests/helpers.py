@@ -246,3 +246,20 @@ def set_scale(data: np.ndarray, qtype: Q, block: int, value: float, field: int =
     at = SCALE_FIELDS[qtype][field]
     flat = data.reshape(-1)
     flat[block * size + at : block * size + at + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+
+
+def refuse_o_direct(monkeypatch: Any) -> None:
+    """Make ``open(..., O_DIRECT)`` fail with EINVAL, as on a filesystem that refuses it."""
+    import errno
+    import os
+
+    from service.io import direct
+
+    real_open = os.open
+
+    def no_direct(p: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(direct.os, "open", no_direct)

@@ -214,20 +214,21 @@ def _nan_or_inf(is_nan: bool) -> str:
     return "NaN" if is_nan else "Inf"
 
 
-def _check_f16(raw: NDArray[np.uint8]) -> InvalidData | None:
-    bits = raw.view("<u2")
-    i = _first_true(bits.size, _CHUNK_NBYTES // 2, lambda s: (bits[s] & _F16_EXPONENT) == _F16_EXPONENT)
+def _check_ieee(raw: NDArray[np.uint8], width: int, exponent: int, mantissa: int) -> InvalidData | None:
+    """First element whose exponent bits are all ones (NaN or Inf), ``width`` bytes each."""
+    bits = raw.view(f"<u{width}")
+    i = _first_true(bits.size, _CHUNK_NBYTES // width, lambda s: (bits[s] & exponent) == exponent)
     if i is None:
         return None
-    return InvalidData(f"{_nan_or_inf(bool(bits[i] & _F16_MANTISSA))} at element {i}", 2 * i)
+    return InvalidData(f"{_nan_or_inf(bool(bits[i] & mantissa))} at element {i}", width * i)
+
+
+def _check_f16(raw: NDArray[np.uint8]) -> InvalidData | None:
+    return _check_ieee(raw, 2, _F16_EXPONENT, _F16_MANTISSA)
 
 
 def _check_f32(raw: NDArray[np.uint8]) -> InvalidData | None:
-    bits = raw.view("<u4")
-    i = _first_true(bits.size, _CHUNK_NBYTES // 4, lambda s: (bits[s] & _F32_EXPONENT) == _F32_EXPONENT)
-    if i is None:
-        return None
-    return InvalidData(f"{_nan_or_inf(bool(bits[i] & _F32_MANTISSA))} at element {i}", 4 * i)
+    return _check_ieee(raw, 4, _F32_EXPONENT, _F32_MANTISSA)
 
 
 def _check_f64(raw: NDArray[np.uint8]) -> InvalidData | None:

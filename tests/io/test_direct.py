@@ -12,6 +12,7 @@ import pytest
 from service.io import direct
 from service.io.align import aligned_empty
 from service.io.direct import DirectFile
+from tests.helpers import refuse_o_direct
 
 
 @pytest.fixture
@@ -44,14 +45,7 @@ def test_aligned_read_past_the_end_zero_fills(data_file: tuple[Path, bytes]) -> 
 
 def test_refused_open_falls_back(data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
     path, data = data_file
-    real_open = os.open
-
-    def no_direct(p: str, flags: int, *args: int) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *args)
-
-    monkeypatch.setattr(direct.os, "open", no_direct)
+    refuse_o_direct(monkeypatch)
     with DirectFile(str(path)) as f:
         assert not f.direct and f.fallback is not None and "O_DIRECT refused" in f.fallback
         dest = bytearray(1000)

@@ -25,7 +25,7 @@ from service.loader.pipeline import LoadOptions, Progress, load_model
 from service.loader.pipeline.layout import order_jobs
 from service.loader.placement import make_params, plan
 from service.loader.weights import open_model
-from tests.helpers import finite_quant, set_scale, write_fixture
+from tests.helpers import finite_quant, refuse_o_direct, set_scale, write_fixture
 from tests.resources import fds_on, load_threads, mappings_of
 
 MODES = ["none", "mmap", "mlock", "mmap+mlock", "direct-io"]
@@ -231,19 +231,7 @@ def test_nan_case_with_check_tensors() -> None:
 
 
 def test_direct_io_falls_back_where_refused(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import errno
-    import os
-
-    from service.io import direct
-
-    real_open = os.open
-
-    def no_direct(p: str, flags: int, *args: int) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *args)
-
-    monkeypatch.setattr(direct.os, "open", no_direct)
+    refuse_o_direct(monkeypatch)
     model, devs = load(model_path, "emu", "direct-io")
     with model:
         assert_bytes_equal_file(model, model_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,14 +138,26 @@ class DeviceBuffer(ABC):
         """Release the memory. Idempotent."""
 
 
-class HostBuffer(DeviceBuffer):
-    """A buffer in host memory (the ``CPU`` buffer type, or a device's host buffer type),
-    aligned to 4096 bytes."""
+class ArrayBuffer(DeviceBuffer):
+    """A buffer whose memory is a numpy array: host memory, pinned host memory, or the
+    memory of an emulated device.
 
-    def __init__(self, buffer_type: BufferType, nbytes: int) -> None:
+    Args:
+        buffer_type: its buffer type.
+        data: its memory (``uint8``).
+        on_free: called once when the buffer is freed (to return device memory).
+    """
+
+    def __init__(
+        self,
+        buffer_type: BufferType,
+        data: np.ndarray[Any, np.dtype[np.uint8]],
+        on_free: Callable[[], None] | None = None,
+    ) -> None:
         self.buffer_type = buffer_type
-        self.nbytes = nbytes
-        self._data: np.ndarray[Any, np.dtype[np.uint8]] | None = aligned_empty(nbytes)
+        self.nbytes = len(data)
+        self._data: np.ndarray[Any, np.dtype[np.uint8]] | None = data
+        self._on_free = on_free
 
     @property
     def data(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -163,7 +176,18 @@ class HostBuffer(DeviceBuffer):
         return self.data[offset : offset + nbytes].tobytes()
 
     def free(self) -> None:
-        self._data = None
+        if self._data is not None:
+            self._data = None
+            if self._on_free is not None:
+                self._on_free()
+
+
+class HostBuffer(ArrayBuffer):
+    """A buffer in host memory (the ``CPU`` buffer type, or a device's host buffer type),
+    aligned to 4096 bytes."""
+
+    def __init__(self, buffer_type: BufferType, nbytes: int) -> None:
+        super().__init__(buffer_type, aligned_empty(nbytes))
 
 
 @dataclass

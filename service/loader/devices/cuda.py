@@ -13,7 +13,16 @@ from typing import Any
 import numpy as np
 
 from service.errors import OutOfMemoryError
-from service.loader.devices.base import BufferType, Device, DeviceBuffer, DeviceCaps, DeviceMemory, Event, Stream
+from service.loader.devices.base import (
+    ArrayBuffer,
+    BufferType,
+    Device,
+    DeviceBuffer,
+    DeviceCaps,
+    DeviceMemory,
+    Event,
+    Stream,
+)
 
 CUDA_HOST_BUFFER_TYPE_NAME = "CUDA_Host"
 
@@ -56,26 +65,18 @@ class CUDABuffer(DeviceBuffer):
         self._tensor = None
 
 
-class PinnedBuffer(DeviceBuffer):
-    """Pinned (page-locked) host memory from PyTorch: the ``CUDA_Host`` buffer type."""
+class PinnedBuffer(ArrayBuffer):
+    """Pinned (page-locked) host memory from PyTorch: the ``CUDA_Host`` buffer type.
+
+    Attributes:
+        tensor: the pinned ``torch.uint8`` tensor (its numpy view is the buffer's data).
+    """
 
     def __init__(self, buffer_type: BufferType, tensor: Any) -> None:
-        self.buffer_type = buffer_type
-        self.nbytes = int(tensor.numel())
+        super().__init__(buffer_type, tensor.numpy(), on_free=self._drop)
         self.tensor: Any = tensor
-        self.data: np.ndarray[Any, np.dtype[np.uint8]] = tensor.numpy()
 
-    def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-        self.data[offset : offset + len(data)] = data
-
-    def view(self, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        return self.data[offset : offset + nbytes]
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        return self.data[offset : offset + nbytes].tobytes()
-
-    def free(self) -> None:
-        self.data = np.empty(0, dtype=np.uint8)
+    def _drop(self) -> None:
         self.tensor = None
 
 

@@ -29,11 +29,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from service.errors import OutOfMemoryError, RequestError
 from service.io.align import aligned_empty
 from service.loader.devices.base import (
+    ArrayBuffer,
     BufferType,
     Device,
     DeviceBuffer,
@@ -72,36 +71,6 @@ def parse_size(text: str) -> int:
     if m is None or unit not in _UNITS:
         raise RequestError(f"invalid size '{text}' (expected e.g. 3000MiB, 2GiB or a number of bytes)")
     return int(float(m.group(1)) * _UNITS[unit])
-
-
-class EMUBuffer(DeviceBuffer):
-    """Emulated device memory: a separate allocation counted against the device."""
-
-    def __init__(self, device: EMUDevice, buffer_type: BufferType, nbytes: int) -> None:
-        self.device = device
-        self.buffer_type = buffer_type
-        self.nbytes = nbytes
-        self._data: np.ndarray[Any, np.dtype[np.uint8]] | None = aligned_empty(nbytes)
-
-    @property
-    def data(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        if self._data is None:
-            raise RuntimeError(f"{self.buffer_type.name} buffer already freed")
-        return self._data
-
-    def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-        self.data[offset : offset + len(data)] = data
-
-    def view(self, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        return self.data[offset : offset + nbytes]
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        return self.data[offset : offset + nbytes].tobytes()
-
-    def free(self) -> None:
-        if self._data is not None:
-            self._data = None
-            self.device._release(self.nbytes)
 
 
 class _ThreadEvent(Event):
@@ -247,7 +216,8 @@ class EMUDevice(Device):
                 )
             self.allocated += nbytes
         try:
-            return EMUBuffer(self, buffer_type, nbytes)
+            # device memory, emulated: a separate allocation counted against the device
+            return ArrayBuffer(buffer_type, aligned_empty(nbytes), on_free=lambda: self._release(nbytes))
         except MemoryError as exc:
             self._release(nbytes)
             raise OutOfMemoryError(f"{self.name}: cannot allocate {nbytes} bytes of host RAM to emulate it") from exc

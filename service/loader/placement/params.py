@@ -6,8 +6,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TypeVar
 
 from service.errors import PlacementError, RequestError
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def _member(cls: type[E], value: str, what: str) -> E:
+    """The member of ``cls`` named ``value``. Raises RequestError listing the names."""
+    try:
+        return cls(value)
+    except ValueError:
+        known = ", ".join(m.value for m in cls)
+        raise RequestError(f"unknown {what} '{value}' (expected one of: {known})") from None
 
 
 class SplitMode(StrEnum):
@@ -35,13 +47,7 @@ class LoadMode(StrEnum):
         Raises:
             RequestError: unknown name.
         """
-        if value == "dio":
-            return cls.DIRECT_IO
-        try:
-            return cls(value)
-        except ValueError:
-            known = ", ".join(m.value for m in cls)
-            raise RequestError(f"unknown load mode '{value}' (expected one of: {known})") from None
+        return cls.DIRECT_IO if value == "dio" else _member(cls, value, "load mode")
 
     @property
     def maps(self) -> bool | None:
@@ -63,10 +69,7 @@ class LazyMode(StrEnum):
     @classmethod
     def parse(cls, value: str) -> LazyMode:
         """The lazy mode named ``value``. Raises RequestError."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise RequestError(f"unknown lazy mode '{value}' (expected off, auto or on)") from None
+        return _member(cls, value, "lazy mode")
 
 
 LAZY_ELIGIBLE = frozenset({"per_layer_token_embd.weight"})
@@ -199,10 +202,7 @@ def make_params(
         RequestError: an invalid ``-ngl``, ``-sm``, ``-ts``, ``-lm`` or ``-lzm`` value.
         PlacementError: an invalid ``-ot`` override.
     """
-    try:
-        mode = SplitMode(split_mode)
-    except ValueError:
-        raise RequestError(f"unknown split mode '{split_mode}' (expected none, layer or row)") from None
+    mode = _member(SplitMode, split_mode, "split mode")
     return PlacementParams(
         n_gpu_layers=parse_n_gpu_layers(n_gpu_layers),
         split_mode=mode,
