@@ -162,14 +162,17 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
                     res.warnings.append(warning)
                     break
 
-    needs_mapping = {t.file_index for i, t in enumerate(p.tensors) if p.use_mmap or t.lazy}
+    by_file: dict[int, list[TensorPlacement]] = {}
+    for t in p.tensors:
+        if p.use_mmap or t.lazy:
+            by_file.setdefault(t.file_index, []).append(t)
     file_locks: dict[int, MemoryLock] = {}
-    for file_index in sorted(needs_mapping):
+    for file_index in sorted(by_file):
         gguf_file = index.files[file_index]
         mapping = res.mappings[file_index] = Mapping(gguf_file.path)
         check_identity(gguf_file.path, gguf_file.identity, mapping.identity)
-        for t in p.tensors:
-            if t.file_index == file_index and t.nbytes:
+        for t in by_file[file_index]:
+            if t.nbytes:
                 # lazy ranges are read at random, on demand; the rest is needed now
                 mapping.advise(t.offset, t.nbytes, _mmap_mod.MADV_RANDOM if t.lazy else _mmap_mod.MADV_WILLNEED)
         if lock_mapped:
