@@ -459,7 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("sample", help="place the sample model (Gemma 3 270M Q4_K_M) in the models directory")
+    p = sub.add_parser(
+        "sample", help="place the sample model (Gemma 3 270M Q4_K_M) in the models directory", parents=[dev]
+    )
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
     p.set_defaults(func=cmd_sample)
 
