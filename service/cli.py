@@ -177,9 +177,13 @@ def cmd_devices(args: argparse.Namespace) -> int:
     for d in devices:
         mem = d.memory()
         caps = ", ".join(k for k, v in d.caps.to_dict().items() if v) or "-"
+        extra = f"; largest allocation {d.max_alloc_nbytes / MiB:.0f} MiB" if d.max_alloc_nbytes else ""
+        if d.unsupported:
+            extra += f"; refuses {'+'.join(sorted(d.unsupported))}"
         out.print(
             f"{d.name:<8} {d.type:<4} {mem.free / MiB:10.0f} / {mem.total / MiB:.0f} MiB free  "
-            f"buffer types: {', '.join(b.name for b in d.buffer_types())}; caps: {caps}; {printable(d.description)}"
+            f"buffer types: {', '.join(b.name for b in d.buffer_types())}; caps: {caps}{extra}; "
+            f"{printable(d.description)}"
         )
     return 0
 
@@ -205,7 +209,7 @@ async def _load(args: argparse.Namespace) -> int:
     task = bar.add_task("load", total=index.nbytes)
 
     def on_progress(p: pipeline.Progress) -> None:
-        if p.bytes_done and not bar.live.is_started:
+        if p.bytes_done and err.is_terminal and not bar.live.is_started:
             bar.start()
         bar.update(task, completed=p.bytes_done, total=p.bytes_total)
 
@@ -234,7 +238,8 @@ async def _load(args: argparse.Namespace) -> int:
         else:
             err.print(f"loaded {len(model)} tensors in {seconds:.2f} s ({model.plan.load_mode.value})")
             for warning in model.warnings:
-                err.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+                if warning not in model.plan.warnings:  # those come with the plan
+                    err.print(f"[yellow]warning:[/yellow] {escape(warning)}")
             _print_plan(model.plan, verbose=args.verbose)
     return 0
 

@@ -103,8 +103,8 @@ class LoadJob:
 
     @property
     def load_mode(self) -> str:
-        """The load mode as resolved by the plan (``mmap`` or ``none``)."""
-        return "mmap" if self.plan.use_mmap else "none"
+        """The load mode in effect (``auto`` resolved by the plan)."""
+        return self.plan.effective_load_mode.value
 
     @property
     def progress(self) -> float:

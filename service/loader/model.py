@@ -121,7 +121,8 @@ class LoadedModel:
     Attributes:
         index: the weights index the model was loaded from.
         plan: the placement it was loaded with.
-        load_mode: the load mode used (``mmap``, ``none``, ...).
+        load_mode: the load mode in effect (``auto`` resolved: ``mmap``, ``none``,
+            ``mlock``, ``mmap+mlock``, ``direct-io``).
         tensors: name -> :class:`LoadedTensor`, in load order.
         tied_output: the second copy of ``token_embd.weight`` that serves as the output
             weight on a device (models without ``output.weight``), if any.
@@ -144,7 +145,7 @@ class LoadedModel:
     ) -> None:
         self.index = index
         self.plan = plan
-        self.load_mode = "mmap" if plan.use_mmap else "none"
+        self.load_mode = plan.effective_load_mode.value
         self.tensors = tensors
         self.tied_output = tied_output
         self.report = report

@@ -128,6 +128,14 @@ class Plan:
     overrides: tuple[str, ...] = field(default_factory=tuple)
 
     @property
+    def effective_load_mode(self) -> LoadMode:
+        """The load mode in effect: ``auto`` resolved to ``mmap`` or ``none``, any other
+        mode as asked."""
+        if self.load_mode is LoadMode.AUTO:
+            return LoadMode.MMAP if self.use_mmap else LoadMode.NONE
+        return self.load_mode
+
+    @property
     def fits(self) -> bool:
         """Whether every device's free memory holds what the plan allocates there."""
         return all(u.fits for u in self.device_use)
@@ -159,6 +167,7 @@ class Plan:
         data: dict[str, Any] = {
             "model": self.model,
             "load_mode": self.load_mode.value,
+            "effective_load_mode": self.effective_load_mode.value,
             "use_mmap": self.use_mmap,
             "lazy_mode": self.lazy_mode.value,
             "lazy_tensors": [t.name for t in self.tensors if t.lazy],
