@@ -19,7 +19,7 @@ from service.api.errors import public_error
 from service.errors import ConflictError, HoistError, ModelPathError, NotFoundError, RequestError
 from service.loader.devices import Device
 from service.loader.model import LoadedModel, MemoryReport
-from service.loader.pipeline import LoadOptions, Progress, check_budget, load_model
+from service.loader.pipeline import LoadOptions, Progress, check_budget, load_model, staging_nbytes
 from service.loader.placement import PlacementParams, Plan, make_params, plan
 from service.loader.weights import WeightIndex, open_model
 
@@ -220,7 +220,7 @@ class JobManager:
             BudgetExceededError: the plan does not fit the devices' free memory now.
         """
         index, placement = await self.plan_model(model, flags)
-        check_budget(placement)
+        check_budget(placement, staging=staging_nbytes(placement, self.devices, options or LoadOptions()))
         job = LoadJob(
             id=self._new_id(),
             model=model,

@@ -46,7 +46,10 @@ class LoadRequest(PlanRequest):
     )
     staging_buffers: int = Field(default=4, ge=1, le=64, description="Staging buffers per device for uploads.")
     staging_size: int | None = Field(
-        default=None, ge=4096, description="Bytes per staging buffer (default 1 MiB, or 64 MiB with direct-io)."
+        default=None,
+        ge=4096,
+        le=1 << 30,
+        description="Bytes per staging buffer (default 1 MiB, or 64 MiB with direct-io); at most 1 GiB.",
     )
 
 

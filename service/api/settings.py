@@ -30,6 +30,18 @@ class Settings(BaseSettings):
     job_history: int = Field(default=256, ge=1)
     """Ended load jobs kept for listing (``HOIST_JOB_HISTORY``)."""
 
+    @field_validator("emulated_devices")
+    @classmethod
+    def _emulated_devices_parse(cls, value: str | None) -> str | None:
+        from service.errors import HoistError
+        from service.loader.devices import parse_emulated_devices
+
+        try:
+            parse_emulated_devices(value)
+        except HoistError as exc:
+            raise ValueError(exc.describe()) from None
+        return value
+
     @field_validator("models_dir")
     @classmethod
     def _models_dir_exists(cls, value: Path) -> Path:

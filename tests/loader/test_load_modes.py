@@ -322,3 +322,48 @@ def test_cancel_the_task_during_slow_uploads_and_validation(tmp_path: Path, monk
 
     asyncio.run(scenario())
     assert leftovers(path, devs) == (0, 0, 0, 0)
+
+
+def test_validation_of_mapped_data_never_faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file that shrinks under a load with check-tensors gives an error, not SIGBUS."""
+    from service.errors import StorageError
+    from service.loader.pipeline import layout, worker
+
+    tensors = valid_tensors(8)
+    rng = np.random.default_rng(8)
+    tensors["per_layer_token_embd.weight"] = (rng.standard_normal((64, 64)).astype(np.float32), Q.F32)
+    path = write_model(tmp_path / "m.gguf", tensors)
+    index = open_model(path)
+    # the file shrinks once it is mapped, before the loader reads: let it through the
+    # identity checks, the data side must still hold
+    monkeypatch.setattr(layout, "check_identity", lambda *a: None)
+    monkeypatch.setattr(worker, "check_identity", lambda *a: None)
+    real_work = worker.Worker._work
+
+    def shrink_then_work(self: worker.Worker) -> None:
+        with open(path, "r+b") as f:
+            f.truncate(index["per_layer_token_embd.weight"].offset + 10)
+        real_work(self)
+
+    monkeypatch.setattr(worker.Worker, "_work", shrink_then_work)
+    params = make_params(["CPU"], load_mode="none", lazy_mode="on")
+    with pytest.raises(StorageError, match="did the file shrink"):
+        asyncio.run(load_model(index, params=params, options=LoadOptions(check_tensors=True)))
+
+
+def test_cancel_does_not_wait_for_a_slow_bus(tmp_path: Path) -> None:
+    import time
+
+    path = write_model(tmp_path / "m.gguf", valid_tensors(9, big=True))
+    devs = discover_devices("EMU0=64MiB:bandwidth=20KB", cuda=False)
+    params = make_params(["CPU", "EMU0"], load_mode="none", n_gpu_layers="all")
+    options = LoadOptions(staging_nbytes=16384)
+    started = time.perf_counter()
+    with pytest.raises(LoadCancelledError):
+        asyncio.run(
+            load_model(
+                open_model(path), devices=devs, params=params, options=options, on_progress=lambda p: p.bytes_done == 0
+            )
+        )
+    assert time.perf_counter() - started < 5  # 4 queued 16 KiB copies would take over 3 s at 20 KB/s
+    assert leftovers(path, devs) == (0, 0, 0, 0)

@@ -4,8 +4,10 @@ overrides, capabilities, tied output, mapped ranges, budgets (cases P01-P05)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from service.errors import BudgetExceededError, OutOfMemoryError, PlacementError
@@ -360,3 +362,115 @@ def test_tensor_data_larger_than_the_host_is_refused_before_allocating(tmp_path:
         asyncio.run(load_model(open_model(path), load_mode="none"))
     p = plan(open_model(path), [CPUDevice()], make_params([], load_mode="mmap"))
     assert p.fits  # mapped, not allocated
+
+
+# -- hostile flags ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "phrase"),
+    [
+        ("(a|aa)+$=CPU", "takes too long to match"),
+        ("a{4294967296}=CPU", "invalid pattern"),
+        ("(" * 1000 + "a" + ")" * 1000 + "=CPU", "invalid pattern"),
+        ("([=CPU", "invalid pattern"),
+    ],
+)
+def test_override_patterns_that_would_hang_or_crash(tmp_path: Path, override: str, phrase: str) -> None:
+    path = tmp_path / "m.gguf"
+    from tests.helpers import write_fixture
+
+    f32 = gguf_f32()
+    write_fixture(path, tensors={"blk.0." + "a" * 40 + ".weight": (np.ones(4, dtype=np.float32), f32)})
+    started = time.perf_counter()
+    with pytest.raises(PlacementError, match=phrase):
+        make_plan(path, "EMU0=1GiB", override_tensor=[override])
+    assert time.perf_counter() - started < 5
+
+
+def gguf_f32():  # type: ignore[no-untyped-def]
+    import gguf
+
+    return gguf.GGMLQuantizationType.F32
+
+
+@pytest.mark.parametrize("split", ["1e39,1", "nan,1", "-1,1", "inf"])
+def test_tensor_split_values_must_be_finite_proportions(tmp_path: Path, split: str) -> None:
+    from service.errors import RequestError
+
+    with pytest.raises(RequestError, match="invalid tensor_split value"):
+        make_plan(block_model(tmp_path / "m.gguf", 2), "EMU0=1GiB,EMU1=1GiB", tensor_split=split)
+
+
+@pytest.mark.parametrize(
+    ("spec", "phrase"),
+    [
+        ("EMU0=0.5", "less than one byte"),
+        ("EMU\u0663=1GiB", "invalid emulated device"),
+        ("EMU0=1GiB:bandwidth=0", "must be positive"),
+        ("EMU0=1GiB:sync:sync", "given twice"),
+        ("EMU0=1e400GiB", "invalid size"),
+        ("EMU0=99999999999999999999GiB", "too large"),
+        ("EMU0=", "invalid size"),
+    ],
+)
+def test_malformed_emulated_devices(spec: str, phrase: str) -> None:
+    from service.errors import RequestError
+
+    with pytest.raises(RequestError, match=phrase):
+        devices(spec)
+
+
+def test_split_mode_none_uses_the_kept_devices_host_buffer(tmp_path: Path) -> None:
+    p = make_plan(
+        block_model(tmp_path / "m.gguf", 4), "EMU0=1GiB,EMU1=1GiB", split_mode="none", main_gpu=1, n_gpu_layers=2,
+        load_mode="none",
+    )  # fmt: skip
+    host = next(b for b in p.buffers if b.name == "EMU_Host")
+    assert host.device == "EMU1" and host.memory == "CPU"
+
+
+def test_mmap_mlock_counts_locked_mappings_against_host_memory(tmp_path: Path) -> None:
+    import struct
+
+    from gguf import GGUFValueType as V
+
+    from tests.helpers import gguf_kv, gguf_tensor_info, raw_gguf
+
+    huge = 1 << 40
+    kv = [gguf_kv("general.architecture", V.STRING, struct.pack("<Q", 5) + b"llama")]
+    header = raw_gguf(kv, [gguf_tensor_info("w", [huge], 24, 0)])
+    path = tmp_path / "sparse.gguf"
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + huge)
+    assert plan(open_model(path), [CPUDevice()], make_params([], load_mode="mmap")).fits
+    locked = plan(open_model(path), [CPUDevice()], make_params([], load_mode="mmap+mlock"))
+    assert not locked.fits
+    with pytest.raises(BudgetExceededError):
+        asyncio.run(load_model(open_model(path), load_mode="mmap+mlock"))
+
+
+def test_staging_buffers_count_against_host_memory(tmp_path: Path) -> None:
+    from service.loader.pipeline import LoadOptions
+
+    path = block_model(tmp_path / "m.gguf", 2)
+    devs = devices("EMU0=1GiB")
+    params = make_params(["CPU", "EMU0"], load_mode="none", n_gpu_layers="all")
+    options = LoadOptions(staging_buffers=64, staging_nbytes=1 << 30)  # 64 GiB of staging
+    with pytest.raises(BudgetExceededError, match="staging buffers included"):
+        asyncio.run(load_model(open_model(path), devices=devs, params=params, options=options))
+    assert devs[1].allocated == 0  # type: ignore[attr-defined]
+
+
+def test_cgroup_v1_limits_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.loader.devices import cpu
+
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{150 << 20}\n")
+    (tmp_path / "memory" / "memory.usage_in_bytes").write_text(f"{50 << 20}\n")
+    monkeypatch.setattr(cpu, "_CGROUP", tmp_path)
+    mem = cpu.host_memory()
+    assert mem.total == 150 << 20 and mem.free <= 100 << 20
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert cpu.host_memory().total > 150 << 20

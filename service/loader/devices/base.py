@@ -108,6 +108,11 @@ class Stream(ABC):
     def close(self) -> None:
         """Wait for queued copies and release the stream. Idempotent."""
 
+    def abort(self) -> None:
+        """Drop copies not started yet (their events complete with an error) so that a
+        cancelled load does not wait for them; by default, wait for them."""
+        return None
+
 
 class DeviceBuffer(ABC):
     """Memory allocated on a device for a buffer of some buffer type.

@@ -28,15 +28,21 @@ def _meminfo() -> dict[str, int]:
 
 
 def _cgroup_limit() -> tuple[int, int] | None:
-    """The cgroup v2 memory limit and usage in bytes, or None without a limit."""
-    try:
-        limit = (_CGROUP / "memory.max").read_text().strip()
-        usage = int((_CGROUP / "memory.current").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    if not limit.isdigit():
-        return None
-    return int(limit), usage
+    """The container's memory limit and usage in bytes (cgroup v2, else v1), or None
+    without a limit."""
+    for limit_file, usage_file in (
+        (_CGROUP / "memory.max", _CGROUP / "memory.current"),
+        (_CGROUP / "memory" / "memory.limit_in_bytes", _CGROUP / "memory" / "memory.usage_in_bytes"),
+    ):
+        try:
+            limit = limit_file.read_text().strip()
+            usage = int(usage_file.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        # "max" (v2) or a huge number near 2**63 (v1) mean no limit
+        if limit.isdigit() and int(limit) < 1 << 60:
+            return int(limit), usage
+    return None
 
 
 def host_memory() -> DeviceMemory:
@@ -80,5 +86,5 @@ class CPUDevice(Device):
     def alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
         try:
             return HostBuffer(buffer_type, nbytes)
-        except MemoryError as exc:
+        except (MemoryError, ValueError) as exc:
             raise OutOfMemoryError(f"cannot allocate a {buffer_type.name} buffer of {nbytes} bytes") from exc

@@ -58,19 +58,26 @@ _UNITS = {
     "M": 1 << 20,
     "G": 1 << 30,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_NAME = re.compile(r"^EMU(\d+)$")
+_SIZE = re.compile(r"^\s*([0-9]{1,20}(?:\.[0-9]{1,20})?)\s*([A-Za-z]*)\s*$", re.ASCII)
+_NAME = re.compile(r"^EMU([0-9]{1,3})$", re.ASCII)
+_MAX_SIZE = 1 << 60
 
 EMU_HOST_BUFFER_TYPE_NAME = "EMU_Host"
 
 
 def parse_size(text: str) -> int:
-    """``3000MiB``, ``2GiB``, ``1.5GB``, ``4096`` -> bytes. Raises RequestError."""
+    """``3000MiB``, ``2GiB``, ``1.5GB``, ``4096`` -> bytes (at most 2**60). Raises
+    RequestError."""
     m = _SIZE.match(text)
     unit = m.group(2).upper() if m else ""
     if m is None or unit not in _UNITS:
-        raise RequestError(f"invalid size '{text}' (expected e.g. 3000MiB, 2GiB or a number of bytes)")
-    return int(float(m.group(1)) * _UNITS[unit])
+        raise RequestError(f"invalid size '{text[:50]}' (expected e.g. 3000MiB, 2GiB or a number of bytes)")
+    value = float(m.group(1)) * _UNITS[unit]
+    if value > _MAX_SIZE:
+        raise RequestError(f"size '{text[:50]}' is too large (at most {_MAX_SIZE} bytes)")
+    if 0 < value < 1:
+        raise RequestError(f"size '{text[:50]}' is less than one byte")
+    return int(value)
 
 
 class _ThreadEvent(Event):
@@ -98,6 +105,7 @@ class EMUStream(Stream):
     def __init__(self, device: EMUDevice) -> None:
         self.device = device
         self._queue: queue.Queue[tuple[Callable[[], None], _ThreadEvent] | None] = queue.Queue()
+        self._aborted = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"hoist-{device.name}-stream", daemon=True)
         self._thread.start()
         self._closed = False
@@ -108,12 +116,18 @@ class EMUStream(Stream):
             if item is None:
                 return
             work, event = item
+            if self._aborted.is_set():
+                event.set(RuntimeError(f"{self.device.name} upload aborted"))
+                continue
             try:
                 work()
             except BaseException as exc:  # delivered through the event
                 event.set(exc)
             else:
                 event.set()
+
+    def abort(self) -> None:
+        self._aborted.set()
 
     def upload(self, dest: DeviceBuffer, dest_offset: int, src: DeviceBuffer, src_offset: int, nbytes: int) -> Event:
         if self._closed:
@@ -127,7 +141,7 @@ class EMUStream(Stream):
             if bandwidth:
                 remaining = nbytes / bandwidth - (time.perf_counter() - started)
                 if remaining > 0:
-                    time.sleep(remaining)
+                    self._aborted.wait(remaining)  # pacing that an abort cuts short
 
         self._queue.put((work, event))
         return event
@@ -201,7 +215,7 @@ class EMUDevice(Device):
         if buffer_type.is_host:
             try:
                 return HostBuffer(buffer_type, nbytes)
-            except MemoryError as exc:
+            except (MemoryError, ValueError) as exc:
                 raise OutOfMemoryError(f"cannot allocate a {buffer_type.name} buffer of {nbytes} bytes") from exc
         limit = self.default_buffer_type.max_size
         if limit is not None and nbytes > limit:
@@ -218,7 +232,7 @@ class EMUDevice(Device):
         try:
             # device memory, emulated: a separate allocation counted against the device
             return ArrayBuffer(buffer_type, aligned_empty(nbytes), on_free=lambda: self._release(nbytes))
-        except MemoryError as exc:
+        except (MemoryError, ValueError) as exc:
             self._release(nbytes)
             raise OutOfMemoryError(f"{self.name}: cannot allocate {nbytes} bytes of host RAM to emulate it") from exc
 
@@ -250,6 +264,10 @@ def parse_emulated_devices(spec: str | None) -> list[EMUDevice]:
         kwargs: dict[str, Any] = {}
         for option in options:
             key, _, value = option.strip().partition("=")
+            if key in ("max_alloc", "unsupported", "no_mmap", "sync", "bandwidth") and (
+                {"no_mmap": "mmap_support"}.get(key, key) in kwargs
+            ):
+                raise RequestError(f"option '{key}' is given twice for emulated device EMU{index}")
             if key == "max_alloc" and value:
                 kwargs["max_alloc"] = parse_size(value)
             elif key == "unsupported" and value:
@@ -260,6 +278,8 @@ def parse_emulated_devices(spec: str | None) -> list[EMUDevice]:
                 kwargs["sync"] = True
             elif key == "bandwidth" and value:
                 kwargs["bandwidth"] = parse_size(value)
+                if kwargs["bandwidth"] <= 0:
+                    raise RequestError(f"bandwidth of emulated device EMU{index} must be positive")
             else:
                 raise RequestError(
                     f"unknown option '{option}' for emulated device EMU{index} "

@@ -48,6 +48,7 @@ __all__ = [
     "Progress",
     "ProgressCallback",
     "check_budget",
+    "staging_nbytes",
     "load_model",
     "load_plan",
 ]
@@ -55,19 +56,44 @@ __all__ = [
 MiB = 1 << 20
 
 
-def check_budget(p: Plan) -> None:
+def check_budget(p: Plan, *, staging: int = 0) -> None:
     """Raise :class:`BudgetExceededError` with the per-device breakdown unless every
-    device's free memory holds what ``p`` allocates there."""
-    if p.fits:
-        return
+    device's free memory holds what ``p`` needs there (and the host, ``staging`` more
+    bytes of staging buffers)."""
+    needs = {u.device: u.needed for u in p.device_use}
+    free = {u.device: u.free for u in p.device_use}
+    if staging:
+        needs["CPU"] = needs.get("CPU", 0) + staging
+        free.setdefault("CPU", CPUDevice().memory().free)
     parts = [
-        f"{u.device} needs {u.allocated / MiB:.2f} MiB, {u.free / MiB:.2f} MiB free" for u in p.device_use if not u.fits
+        f"{d} needs {needs[d] / MiB:.2f} MiB{' (staging buffers included)' if d == 'CPU' and staging else ''}, "
+        f"{free[d] / MiB:.2f} MiB free"
+        for d in needs
+        if needs[d] > free[d]
     ]
+    if not parts:
+        return
     raise BudgetExceededError(
         "the model does not fit: " + "; ".join(parts),
         path=p.model,
-        hint="offload fewer layers (-ngl), change --tensor-split, or free memory",
+        hint="offload fewer layers (-ngl), change --tensor-split, use smaller staging buffers, or free memory",
     )
+
+
+def staging_nbytes(p: Plan, devices: Sequence[Device], options: LoadOptions) -> int:
+    """Host bytes of the staging buffers a load of ``p`` sets up (N per device that
+    uploads staged tensors), counted with direct I/O's 4096-byte alignment when it
+    applies."""
+    if p.use_mmap:
+        return 0
+    by_name = {d.name: d for d in devices}
+    staged = {
+        b.device
+        for b in p.buffers
+        if not b.mapped and not b.host and b.device in by_name and by_name[b.device].can_stage
+    }
+    alignment = 4096 if p.load_mode is LoadMode.DIRECT_IO else 1
+    return len(staged) * options.staging_buffers * (options.staging_size(alignment) + alignment)
 
 
 def _typed(raw: Any, t: TensorPlacement, ne: tuple[int, ...]) -> Any:
@@ -136,7 +162,7 @@ async def load_model(
         )
     devices = list(devices) if devices is not None else [CPUDevice()]
     placement = await asyncio.to_thread(plan, index, devices, params)
-    check_budget(placement)
+    check_budget(placement, staging=staging_nbytes(placement, devices, options or LoadOptions()))
     return await load_plan(index, placement, devices, options=options, on_progress=on_progress)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from service.errors import RequestError
+
 MiB = 1 << 20
 
 DEFAULT_CHUNK_NBYTES = 16 * MiB
@@ -18,6 +20,12 @@ STAGING_NBYTES = 1 * MiB
 
 DIRECT_IO_STAGING_NBYTES = 64 * MiB
 """Payload of each staging buffer with direct I/O (plus two alignments)."""
+
+MAX_STAGING_NBYTES = 1 << 30
+"""Largest staging buffer (and chunk) a load accepts: 1 GiB."""
+
+MAX_STAGING_BUFFERS = 64
+"""Most staging buffers per device."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,14 +53,19 @@ class LoadOptions:
     direct_chunk_nbytes: int = DIRECT_IO_STAGING_NBYTES
 
     def __post_init__(self) -> None:
-        if self.chunk_nbytes < 1:
-            raise ValueError("chunk_nbytes must be at least 1")
-        if self.staging_buffers < 1:
-            raise ValueError("staging_buffers must be at least 1")
-        if self.staging_nbytes is not None and self.staging_nbytes < 1:
-            raise ValueError("staging_nbytes must be at least 1")
-        if self.validation_workers < 1:
-            raise ValueError("validation_workers must be at least 1")
+        for name, low, high in (
+            ("chunk_nbytes", 1, MAX_STAGING_NBYTES),
+            ("staging_buffers", 1, MAX_STAGING_BUFFERS),
+            ("validation_workers", 1, 64),
+            ("direct_chunk_nbytes", 1, MAX_STAGING_NBYTES),
+        ):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise RequestError(f"{name} is {value}, it must be from {low} to {high}")
+        if self.staging_nbytes is not None and not 1 <= self.staging_nbytes <= MAX_STAGING_NBYTES:
+            raise RequestError(
+                f"staging size is {self.staging_nbytes} bytes, it must be from 1 to {MAX_STAGING_NBYTES}"
+            )
 
     def staging_size(self, alignment: int) -> int:
         """Size of one staging buffer for reads aligned to ``alignment`` bytes."""

@@ -10,6 +10,7 @@ are validated in the same pool once they are in place, while reading goes on.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,7 @@ import numpy as np
 from service.errors import StorageError
 from service.io.align import align_down, align_up, aligned_empty
 from service.io.direct import DirectFile
+from service.io.file import open_readonly
 from service.io.staging import FutureWaitable, PoolStats, StagingPool
 from service.loader.devices import Device, DeviceBuffer, Stream
 from service.loader.ggml_types import GGML_TYPES_BY_NAME
@@ -149,6 +151,7 @@ class Worker:
         self.invalid: dict[str, InvalidData] = {}
         self.stats = WorkerStats()
         self._bounce: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        self._check_fds: dict[int, int] = {}
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -182,6 +185,45 @@ class Worker:
         future = self.validator.submit(check)
         self.checks.append((job.name, future))
         return future
+
+    def _validate_file(self, job: TensorJob) -> None:
+        """Queue validation of a tensor that lies in a mapping, reading its bytes with
+        ``pread`` rather than through the mapping: a file that shrinks meanwhile then
+        gives an error, never SIGBUS."""
+        if not self.options.check_tensors:
+            return
+        if self.validator is None:
+            self.validator = ThreadPoolExecutor(self.options.validation_workers, thread_name_prefix="hoist-validate")
+        fd = self._validation_fd(job)
+        type_size = GGML_TYPES_BY_NAME[job.ggml_type].type_size
+        step = max(1, self.options.chunk_nbytes // type_size) * type_size
+
+        def check() -> InvalidData | None:
+            for start in range(0, job.nbytes, step):
+                n = min(step, job.nbytes - start)
+                data = os.pread(fd, n, job.offset + start)
+                if len(data) < n:
+                    raise StorageError(
+                        f"unexpected end of file in the data of tensor '{job.name}' (did the file shrink?)",
+                        path=job.path,
+                        offset=job.offset + start + len(data),
+                        tensor=job.name,
+                    )
+                found = validate_row_data(job.ggml_type, data)
+                if found is not None:
+                    return InvalidData(found.reason, found.offset + start)
+            return None
+
+        self.checks.append((job.name, self.validator.submit(check)))
+
+    def _validation_fd(self, job: TensorJob) -> int:
+        fd = self._check_fds.get(job.file_index)
+        if fd is None:
+            fd = self._check_fds[job.file_index] = open_readonly(job.path)
+            st = os.fstat(fd)
+            opened = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            check_identity(job.path, self.identities.get(job.file_index, (0, 0, 0, 0)), opened)
+        return fd
 
     def _done(self, job: TensorJob, n: int) -> None:
         self.stats.branches[job.branch] = self.stats.branches.get(job.branch, 0) + n
@@ -231,7 +273,7 @@ class Worker:
         state = [0, 0]
 
         def complete(job: TensorJob) -> None:
-            self._validate(job, mapping.array(job.offset, job.nbytes))
+            self._validate_file(job)
 
         for lo in range(begin, max(end, begin + 1), chunk):
             if self.cancel.is_set():
@@ -259,7 +301,7 @@ class Worker:
             job.mapping.populate(job.offset + start, n)
             job.dest.write(job.dest_offset + start, job.mapping.array(job.offset + start, n))
             self._done(job, n)
-        self._validate(job, job.mapping.array(job.offset, job.nbytes))
+        self._validate_file(job)
 
     def _read(self, run: Sequence[TensorJob]) -> None:
         """Read a run of host tensors (contiguous in the file as in their buffer) straight
@@ -401,7 +443,7 @@ class Worker:
             elif job.branch == "copy":
                 self._copy(job)
             elif job.branch == "lazy":
-                self._validate(job, job.mapping.array(job.offset, job.nbytes) if job.mapping else None)
+                self._validate_file(job)
                 self._done(job, job.nbytes)
             elif job.branch == "staged":
                 self._staged(job)
@@ -415,16 +457,22 @@ class Worker:
         already on its way out)."""
         errors: list[BaseException] = []
         for name, dev_pool in self.pools.items():
+            if self.cancel.is_set() and dev_pool.stream is not None:
+                dev_pool.stream.abort()  # copies still queued are not wanted any more
             try:
                 dev_pool.pool.drain()
             except BaseException as exc:
-                errors.append(exc)
+                if not self.cancel.is_set():
+                    errors.append(exc)
             self.stats.pools[name] = dev_pool.pool.stats()
             dev_pool.close()
         self.pools.clear()
         if self.validator is not None:
             self.validator.shutdown(wait=True, cancel_futures=self.cancel.is_set())
             self.validator = None
+        for fd in self._check_fds.values():
+            os.close(fd)
+        self._check_fds.clear()
         for name, future in self.checks:
             if future.cancelled():
                 continue

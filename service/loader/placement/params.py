@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from service.errors import PlacementError, RequestError
+import regex
+
+from service.errors import PlacementError, RequestError, clip
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -106,6 +108,10 @@ def parse_n_gpu_layers(value: str | int | None) -> int | None:
     return None if n < 0 else n
 
 
+_MAX_SPLIT = 1e30
+"""Largest ``-ts`` proportion: sums of a few stay finite in float32, as llama.cpp adds them."""
+
+
 def parse_tensor_split(value: str | Sequence[float] | None) -> tuple[float, ...] | None:
     """``-ts 3,1`` (or a list of numbers) -> proportions; None when not given.
 
@@ -120,11 +126,47 @@ def parse_tensor_split(value: str | Sequence[float] | None) -> tuple[float, ...]
         try:
             f = float(str(part).strip())
         except ValueError:
-            raise RequestError(f"invalid tensor_split value '{part}'") from None
-        if not f >= 0 or f == float("inf"):
-            raise RequestError(f"invalid tensor_split value '{part}': proportions are finite and >= 0")
+            raise RequestError(f"invalid tensor_split value '{clip(str(part), 50)}'") from None
+        if not 0 <= f <= _MAX_SPLIT:
+            raise RequestError(
+                f"invalid tensor_split value '{clip(str(part), 50)}': proportions are numbers from 0 to {_MAX_SPLIT:g}"
+            )
         out.append(f)
     return tuple(out) or None
+
+
+OVERRIDE_MATCH_SECONDS = 0.25
+"""Longest time one ``-ot`` pattern may take to match one tensor name."""
+
+
+def compile_override(pattern: str) -> Any:
+    """``pattern`` compiled (``regex``, re-compatible, matchable with a timeout and
+    without holding the GIL).
+
+    Raises:
+        PlacementError: the pattern is invalid or too large to compile.
+    """
+    try:
+        return regex.compile(pattern)
+    except (regex.error, OverflowError, RecursionError, ValueError, MemoryError) as exc:
+        raise PlacementError(f"invalid pattern '{clip(pattern, 200)}' in tensor override: {exc}") from None
+
+
+def override_matches(compiled: Any, name: str) -> bool:
+    """Whether ``compiled`` is found in ``name`` (searched, as llama.cpp's regex_search).
+
+    Raises:
+        PlacementError: the match takes longer than :data:`OVERRIDE_MATCH_SECONDS`
+            (catastrophic backtracking).
+    """
+    try:
+        return compiled.search(name, timeout=OVERRIDE_MATCH_SECONDS, concurrent=True) is not None
+    except TimeoutError:
+        raise PlacementError(
+            f"tensor override pattern '{clip(compiled.pattern, 200)}' takes too long to match '{name}' "
+            "(catastrophic backtracking); simplify it",
+            tensor=name,
+        ) from None
 
 
 def parse_overrides(values: Iterable[str], buffer_types: Sequence[str]) -> tuple[TensorOverride, ...]:
@@ -136,8 +178,6 @@ def parse_overrides(values: Iterable[str], buffer_types: Sequence[str]) -> tuple
         PlacementError: a value without ``=``, an invalid pattern, or an unknown buffer
             type (the message lists the available ones).
     """
-    import re
-
     out: list[TensorOverride] = []
     for value in values:
         for item in value.split(","):
@@ -149,10 +189,7 @@ def parse_overrides(values: Iterable[str], buffer_types: Sequence[str]) -> tuple
                     f"unknown buffer type '{buft}' in tensor override '{item}'; "
                     f"available buffer types: {', '.join(buffer_types)}"
                 )
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise PlacementError(f"invalid pattern '{pattern}' in tensor override: {exc}") from None
+            compile_override(pattern)
             out.append(TensorOverride(pattern, buft))
     return tuple(out)
 

@@ -8,13 +8,12 @@ what a plan says is what a load allocates.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from service.errors import PlacementError
-from service.loader.devices import BufferType, Device
+from service.loader.devices import BufferType, Device, DeviceMemory
 from service.loader.placement.buffers import BufferPlan, MiB, TensorPlacement, build_buffers
 from service.loader.placement.bufts import BuftList, cpu_buft_list, gpu_buft_list, select_weight_buft
 from service.loader.placement.devices import layer_device, select_devices, split_points
@@ -24,6 +23,8 @@ from service.loader.placement.params import (
     LazyMode,
     LoadMode,
     PlacementParams,
+    compile_override,
+    override_matches,
 )
 from service.loader.tensor_classes import LayerClass, classify
 from service.loader.weights import WeightIndex, layer_of
@@ -61,9 +62,11 @@ class DeviceUse:
         device: the device (``CPU`` for host memory, host buffer types included).
         allocated: bytes the plan allocates there.
         mapped: bytes wrapped from file mappings there (CPU only; not allocated).
-        free: the device's free memory when planned.
-        total: the device's total memory.
-        fits: ``allocated <= free`` (always True for a device reporting 0/0).
+        free: the device's free memory when planned (the host's, for a device that reports
+            0/0 memory).
+        total: the device's total memory (0 when it reports none).
+        locked: the mapped bytes are locked in memory too (``mmap+mlock``), so they count.
+        fits: what the device must hold is at most its free memory.
     """
 
     device: str
@@ -71,10 +74,16 @@ class DeviceUse:
     mapped: int
     free: int
     total: int
+    locked: bool = False
+
+    @property
+    def needed(self) -> int:
+        """Bytes the device must hold: what is allocated, and mapped bytes that are locked."""
+        return self.allocated + (self.mapped if self.locked else 0)
 
     @property
     def fits(self) -> bool:
-        return self.total == 0 or self.allocated <= self.free
+        return self.needed <= self.free
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +92,7 @@ class DeviceUse:
             "mapped_bytes": self.mapped,
             "free_bytes": self.free,
             "total_bytes": self.total,
+            "locked_mapped": self.locked,
             "fits": self.fits,
         }
 
@@ -260,9 +270,9 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
 
     bufts: dict[str, tuple[Device, BufferType]] = {}
     for dev in devices:
-        for bt in dev.buffer_types():
-            bufts.setdefault(bt.name, (dev, bt))
-    overrides = [(re.compile(o.pattern), o) for o in params.overrides]
+        # -ot names device default buffer types; other types join as tensors use them
+        bufts.setdefault(dev.default_buffer_type.name, (dev, dev.default_buffer_type))
+    overrides = [(compile_override(o.pattern), o) for o in params.overrides]
     for _, o in overrides:
         if o.buffer_type not in bufts:
             raise PlacementError(f"unknown buffer type '{o.buffer_type}' in tensor override '{o.pattern}'")
@@ -273,8 +283,8 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
     def choose(name: str, ggml_type: str, op: str, buft_list: BuftList) -> tuple[Device, BufferType, int | None]:
         chosen_buft: tuple[Device, BufferType] | None = None
         which: int | None = None
-        for k, (regex, o) in enumerate(overrides):
-            if regex.search(name):
+        for k, (compiled, o) in enumerate(overrides):
+            if override_matches(compiled, name):
                 matches[k] += 1
                 which = k
                 target = bufts[o.buffer_type]
@@ -330,7 +340,7 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
                 dev.name if not buft.is_host else "CPU", buft.name, override=which, lazy=lazy,
             )
         )  # fmt: skip
-        bufts.setdefault(buft.name, (dev, buft))
+        bufts[buft.name] = (dev, buft)
 
     if "output.weight" not in index.weights and "token_embd.weight" in index.weights:
         # tied output: token_embd.weight also serves as the output weight; on another
@@ -346,7 +356,7 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
                     "MUL_MAT", dev.name if not buft.is_host else "CPU", buft.name, role="tied_output", override=which,
                 )
             )  # fmt: skip
-            bufts.setdefault(buft.name, (dev, buft))
+            bufts[buft.name] = (dev, buft)
 
     buffers = build_buffers(index, placed, bufts, use_mmap=use_mmap)
     use: dict[str, list[int]] = {}
@@ -354,10 +364,17 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
         entry = use.setdefault(buf.memory, [0, 0])
         entry[1 if buf.mapped else 0] += buf.nbytes
     by_name = {d.name: d for d in devices}
+    locks_mapping = params.load_mode is LoadMode.MMAP_MLOCK
     device_use = []
     for name, (allocated, mapped) in use.items():
         mem = by_name[name].memory() if name in by_name else cpu.memory()
-        device_use.append(DeviceUse(name, allocated, mapped, mem.free, mem.total))
+        if mem.total == 0:
+            # a device that reports no memory holds what fits in the host's
+            host = cpu.memory()
+            mem = DeviceMemory(host.free, 0)
+        device_use.append(
+            DeviceUse(name, allocated, mapped, mem.free, mem.total, locked=locks_mapping and name == cpu.name)
+        )
     moved_info = None
     if moved:
         name, ggml_type, src, dst = moved[0]
