@@ -84,16 +84,6 @@ class Event(ABC):
         """True when the work is done."""
 
 
-class DoneEvent(Event):
-    """An event that has already happened (synchronous work)."""
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-
 class Stream(ABC):
     """An ordered queue of asynchronous copies to one device (a CUDA stream; a worker
     thread for emulated devices). Owned by one load; closed when it ends."""

@@ -150,14 +150,6 @@ class GGUFFile:
         """The tensor info named ``name``. Raises ``KeyError`` if there is none."""
         return self._by_name[name]
 
-    @property
-    def data_nbytes(self) -> int:
-        """Size of the data section as the tensor infos lay it out (padded), in bytes."""
-        if not self.tensors:
-            return 0
-        last = self.tensors[-1]
-        return align_up(last.offset + last.nbytes, self.alignment)
-
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Parse the header, KV metadata and tensor infos of the GGUF file at ``path``.
