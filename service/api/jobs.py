@@ -203,11 +203,11 @@ class JobManager:
         devices' buffer types). Raises RequestError or PlacementError."""
         return make_params([d.default_buffer_type.name for d in self.devices], **flags)
 
-    async def plan_model(self, model: str, flags: dict[str, Any]) -> tuple[WeightIndex, Plan]:
+    async def plan_model(self, model: str, flags: dict[str, Any]) -> tuple[WeightIndex, PlacementParams, Plan]:
         """Parse ``model`` and plan its placement with ``flags`` (a dry run)."""
         index = await self.open(model)
         params = self.params(flags)
-        return index, await asyncio.to_thread(plan, index, self.devices, params)
+        return index, params, await asyncio.to_thread(plan, index, self.devices, params)
 
     async def submit(self, model: str, flags: dict[str, Any], options: LoadOptions | None = None) -> LoadJob:
         """Validate ``model`` and the placement flags, plan, and start loading in the
@@ -219,13 +219,13 @@ class JobManager:
             PlacementError: the flags give no valid placement.
             BudgetExceededError: the plan does not fit the devices' free memory now.
         """
-        index, placement = await self.plan_model(model, flags)
+        index, params, placement = await self.plan_model(model, flags)
         check_budget(placement, staging=staging_nbytes(placement, self.devices, options or LoadOptions()))
         job = LoadJob(
             id=self._new_id(),
             model=model,
             path=index.path,
-            params=self.params(flags),
+            params=params,
             plan=placement,
             n_tensors=len(index),
             bytes_total=sum(t.nbytes for t in placement.tensors),

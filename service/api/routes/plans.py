@@ -18,7 +18,7 @@ async def make_plan(body: PlanRequest, jobs: JobsDep) -> dict[str, Any]:
     every layer, the buffer type of every tensor, the model buffers with their sizes,
     llama.cpp's offload and buffer lines, and whether each device's free memory holds
     its share (``fits``)."""
-    _, placement = await jobs.plan_model(body.model, body.flags())
+    _, _, placement = await jobs.plan_model(body.model, body.flags())
     data = placement.to_dict()
     data["model"] = body.model
     return data

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -150,10 +151,7 @@ async def load_model(
         mode = LoadMode.parse(load_mode) if isinstance(load_mode, str) else load_mode
         params = PlacementParams(load_mode=mode)
     if chunk_nbytes is not None:
-        options = LoadOptions(
-            chunk_nbytes=chunk_nbytes,
-            **{k: getattr(options or LoadOptions(), k) for k in ("staging_buffers", "staging_nbytes", "check_tensors")},
-        )
+        options = replace(options or LoadOptions(), chunk_nbytes=chunk_nbytes)
     if index.byte_order != "little":
         raise ByteOrderError(
             "the file is big-endian; hoist loads little-endian tensor data only",

@@ -171,18 +171,21 @@ class Worker:
             self._bounce = aligned_empty(max(size, 2 * alignment + _MIN_STAGING_PAYLOAD), max(alignment, 4096))
         return self._bounce
 
+    def _validation_pool(self) -> ThreadPoolExecutor:
+        if self.validator is None:
+            self.validator = ThreadPoolExecutor(self.options.validation_workers, thread_name_prefix="hoist-validate")
+        return self.validator
+
     def _validate(self, job: TensorJob, data: Any, base: int = 0) -> Future[InvalidData | None] | None:
         """Queue validation of ``data`` (tensor bytes from ``base``); None without checks."""
         if not self.options.check_tensors or not isinstance(data, np.ndarray):
             return None
-        if self.validator is None:
-            self.validator = ThreadPoolExecutor(self.options.validation_workers, thread_name_prefix="hoist-validate")
 
         def check() -> InvalidData | None:
             found = validate_row_data(job.ggml_type, data)
             return None if found is None else InvalidData(found.reason, found.offset + base)
 
-        future = self.validator.submit(check)
+        future = self._validation_pool().submit(check)
         self.checks.append((job.name, future))
         return future
 
@@ -192,8 +195,6 @@ class Worker:
         gives an error, never SIGBUS."""
         if not self.options.check_tensors:
             return
-        if self.validator is None:
-            self.validator = ThreadPoolExecutor(self.options.validation_workers, thread_name_prefix="hoist-validate")
         fd = self._validation_fd(job)
         type_size = GGML_TYPES_BY_NAME[job.ggml_type].type_size
         step = max(1, self.options.chunk_nbytes // type_size) * type_size
@@ -214,7 +215,7 @@ class Worker:
                     return InvalidData(found.reason, found.offset + start)
             return None
 
-        self.checks.append((job.name, self.validator.submit(check)))
+        self.checks.append((job.name, self._validation_pool().submit(check)))
 
     def _validation_fd(self, job: TensorJob) -> int:
         fd = self._check_fds.get(job.file_index)
