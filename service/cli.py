@@ -257,7 +257,43 @@ def _settings(args: argparse.Namespace, models_dir: str | None) -> Any:
     overrides: dict[str, Any] = {"emulated_devices": args.emulated_devices, "cuda": not args.no_cuda}
     if models_dir is not None:
         overrides["models_dir"] = Path(models_dir)
+    if getattr(args, "allow_unauthenticated", False):
+        overrides["allow_unauthenticated"] = True
     return Settings(**overrides)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback address (``127.0.0.1``,
+    ``::1``, ``localhost``); an unresolvable name counts as not loopback."""
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
+def check_exposure(host: str, settings: Any) -> None:
+    """Refuse to serve without a token on an address other hosts can reach, unless the
+    settings say so explicitly.
+
+    Raises:
+        RequestError: no token, not loopback, and ``allow_unauthenticated`` not set.
+    """
+    from service.errors import RequestError
+
+    if settings.token() is None and not settings.allow_unauthenticated and not is_loopback(host):
+        raise RequestError(
+            f"refusing to serve on {host} without an API token: anyone who reaches it could load and unload models",
+            hint="set HOIST_API_TOKEN or HOIST_API_TOKEN_FILE, or, if the network in front of hoist is trusted, "
+            "pass --allow-unauthenticated (or set HOIST_ALLOW_UNAUTHENTICATED=1)",
+        )
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -286,9 +322,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from service.api.app import create_app
 
-    app = create_app(_settings(args, args.models_dir))
+    settings = _settings(args, args.models_dir)
+    check_exposure(args.host, settings)
+    app = create_app(settings)
     _check_port_free(args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        log_level=args.log_level,
+        limit_concurrency=settings.max_connections,
+    )
     return 0
 
 
@@ -312,8 +357,14 @@ async def _demo(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)
     err.print(f"placing the sample model in {models_dir}/ ...")
     sample = await asyncio.to_thread(place_sample, models_dir)
-    app = create_app(_settings(args, models_dir))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    settings = _settings(args, models_dir)
+    check_exposure(args.host, settings)
+    token = settings.token()
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", limit_concurrency=settings.max_connections
+    )
+    server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     while not server.started:
         if serving.done():
@@ -322,7 +373,8 @@ async def _demo(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.05)
     base = f"http://{args.host}:{args.port}"
     err.print(f"hoist is serving on {base}")
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(base_url=base, timeout=30, headers=headers) as client:
         body = {"model": sample.name, "load_mode": args.load_mode}
         err.print(f"POST /v1/loads {json.dumps(body)}")
         resp = await client.post("/v1/loads", json=body)
@@ -462,6 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a non-loopback address without an API token (only behind a trusted network)",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

@@ -20,7 +20,11 @@ escaping is a bug. ``service.api.errors`` maps each class to an HTTP status in o
     ├── NotFoundError                no such job or loaded model
     │   └── ModelPathError           a requested model file does not exist
     ├── RequestError                 a request names an unknown option, or a path that
-    │                                leaves the models directory
+    │   │                            leaves the models directory
+    │   ├── WorkLimitError           the request needs more work than one request may take
+    │   └── RequestAbandonedError    the client went away; the work was stopped
+    ├── BusyError                    too many requests or loads wait already; retry later
+    ├── AuthError                    no valid bearer token
     ├── ConflictError                the request does not fit the resource's state
     ├── PlacementError               no valid placement (flags, buffer types, devices)
     │   └── BudgetExceededError      the plan does not fit the devices' free memory
@@ -195,6 +199,38 @@ class RequestError(HoistError):
     models directory."""
 
     code = "invalid_request"
+
+
+class WorkLimitError(RequestError):
+    """A request needs more work (time, matches, items) than one request may take."""
+
+    code = "work_limit_exceeded"
+
+
+class RequestAbandonedError(RequestError):
+    """The client went away (or a deadline passed) and the request's work was stopped."""
+
+    code = "request_abandoned"
+
+
+class BusyError(HoistError):
+    """Too many loads or requests are waiting already; try again later.
+
+    Attributes:
+        retry_after: seconds after which a retry may succeed.
+    """
+
+    code = "busy"
+
+    def __init__(self, message: str, *, retry_after: int = 5, **kwargs: Any) -> None:
+        self.retry_after = retry_after
+        super().__init__(message, **kwargs)
+
+
+class AuthError(HoistError):
+    """The request carries no valid bearer token."""
+
+    code = "unauthorized"
 
 
 class ConflictError(HoistError):

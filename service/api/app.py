@@ -11,12 +11,28 @@ from fastapi import FastAPI
 
 from service import __version__
 from service.api import errors
-from service.api.jobs import JobManager
+from service.api.auth import BearerAuth
+from service.api.jobs import JobManager, Limits
+from service.api.limits import BodyLimit
 from service.api.routes import devices, health, loads, models, plans
 from service.api.settings import Settings
 from service.loader.devices import discover_devices
 
 logger = logging.getLogger(__name__)
+
+
+def limits_from(settings: Settings) -> Limits:
+    """The job manager's limits from the service settings."""
+    return Limits(
+        max_concurrent_loads=settings.max_concurrent_loads,
+        max_queued_loads=settings.max_queued_loads,
+        job_history=settings.job_history,
+        request_workers=settings.request_workers,
+        max_waiting_requests=settings.max_waiting_requests,
+        request_timeout_s=settings.request_timeout_s,
+        override_budget_s=settings.override_budget_s,
+        file_check_interval_s=settings.file_check_interval_s,
+    )
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -26,11 +42,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pydantic.ValidationError: invalid settings (e.g. a missing models directory).
     """
     settings = settings or Settings()
+    token = settings.token()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         devices = discover_devices(settings.emulated_devices, cuda=settings.cuda)
-        jobs = JobManager(str(settings.models_dir), devices, settings.max_concurrent_loads, settings.job_history)
+        jobs = JobManager(str(settings.models_dir), devices, limits_from(settings))
+        jobs.start()
         logger.info("serving models from %s on %s", settings.models_dir, ", ".join(d.name for d in devices))
         try:
             yield {"jobs": jobs, "devices": devices, "settings": settings}
@@ -41,4 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for router in (health.router, loads.router, plans.router, models.router, devices.router):
         app.include_router(router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if token is not None:
+        app.add_middleware(BearerAuth, token=token)
     return app

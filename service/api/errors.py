@@ -3,6 +3,7 @@ status here, and nowhere else."""
 
 from __future__ import annotations
 
+import logging
 import os
 from http import HTTPStatus
 from typing import Any
@@ -13,7 +14,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.errors import (
+    AuthError,
     BudgetExceededError,
+    BusyError,
     ByteOrderError,
     ConflictError,
     DeviceError,
@@ -25,11 +28,18 @@ from service.errors import (
     RequestError,
     SplitError,
     StorageError,
+    WorkLimitError,
+    clip,
 )
+
+logger = logging.getLogger(__name__)
 
 PROBLEM_JSON = "application/problem+json"
 
 _STATUS: list[tuple[type[HoistError], int]] = [
+    (AuthError, 401),
+    (BusyError, 429),
+    (WorkLimitError, 422),
     (BudgetExceededError, 409),
     (PlacementError, 400),
     (DeviceError, 507),
@@ -52,22 +62,36 @@ def status_for(exc: HoistError) -> int:
     return 500
 
 
-def public_error(exc: HoistError, models_dir: str) -> dict[str, Any]:
-    """``exc.to_dict()`` with paths shown relative to the models directory, so that
-    responses do not reveal where the server keeps its files."""
-    data = exc.to_dict()
+def scrub_paths(value: Any, models_dir: str) -> Any:
+    """``value`` (JSON-ready data) with every string's models directory prefix removed,
+    so that responses name files relative to it and never reveal where the server keeps
+    them; strings become valid UTF-8 (file names need not be)."""
     prefixes = {os.path.join(models_dir, ""), os.path.join(os.path.realpath(models_dir), "")}
-    for key in ("message", "path", "hint", "key", "tensor"):
-        value = data.get(key)
-        if isinstance(value, str):
+    prefixes.discard("/")
+
+    def scrub(v: Any) -> Any:
+        if isinstance(v, str):
             for prefix in prefixes:
-                value = value.replace(prefix, "")
-            # file names need not be UTF-8; JSON must be
-            data[key] = value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                v = v.replace(prefix, "")
+            return v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        if isinstance(v, dict):
+            return {scrub(k): scrub(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [scrub(x) for x in v]
+        return v
+
+    return scrub(value)
+
+
+def public_error(exc: HoistError, models_dir: str) -> dict[str, Any]:
+    """``exc.to_dict()`` with paths shown relative to the models directory."""
+    data: dict[str, Any] = scrub_paths(exc.to_dict(), models_dir)
     return data
 
 
-def problem(status: int, detail: str, code: str, instance: str, **extra: Any) -> JSONResponse:
+def problem(
+    status: int, detail: str, code: str, instance: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
     """A problem+json response."""
     body: dict[str, Any] = {
         "type": f"urn:hoist:error:{code}",
@@ -78,7 +102,7 @@ def problem(status: int, detail: str, code: str, instance: str, **extra: Any) ->
         "instance": instance,
     }
     body.update(extra)
-    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON)
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
 
 
 async def _hoist_error(request: Request, exc: Exception) -> JSONResponse:
@@ -87,18 +111,41 @@ async def _hoist_error(request: Request, exc: Exception) -> JSONResponse:
     data = public_error(exc, jobs.models_dir) if jobs is not None else exc.to_dict()
     detail = data.pop("message")
     code = data.pop("code")
-    return problem(status_for(exc), detail, code, request.url.path, **data)
+    headers = None
+    if isinstance(exc, BusyError):
+        headers = {"Retry-After": str(exc.retry_after)}
+    elif isinstance(exc, AuthError):
+        headers = {"WWW-Authenticate": 'Bearer realm="hoist"'}
+    return problem(status_for(exc), detail, code, request.url.path, headers, **data)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
-    return problem(exc.status_code, str(exc.detail), code, request.url.path)
+    return problem(exc.status_code, str(exc.detail), code, request.url.path, dict(exc.headers or {}) or None)
+
+
+async def _memory_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("out of memory answering %s %s", request.method, request.url.path)
+    return problem(507, "the server ran out of memory answering this request", "out_of_memory", request.url.path)
+
+
+async def _unhandled_error(request: Request, exc: Exception) -> JSONResponse:
+    # logged with its traceback by the server; the client learns nothing internal
+    logger.error("internal error answering %s %s: %s", request.method, request.url.path, type(exc).__name__)
+    return problem(500, "internal server error", "internal_error", request.url.path)
+
+
+_MAX_ERRORS = 20
+"""Validation errors listed in one response."""
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+    errors = [
+        {"loc": [clip(x, 100) if isinstance(x, str) else x for x in e["loc"]], "msg": e["msg"], "type": e["type"]}
+        for e in exc.errors()[:_MAX_ERRORS]
+    ]
     detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
     return problem(422, detail or "invalid request", "validation_error", request.url.path, errors=errors)
 
@@ -108,3 +155,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(HoistError, _hoist_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(MemoryError, _memory_error)
+    app.add_exception_handler(Exception, _unhandled_error)

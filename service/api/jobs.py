@@ -1,9 +1,17 @@
 """Load jobs: a load runs in the background as an asyncio task whose state, progress and
-result the API reads; loaded models stay resident until unloaded."""
+result the API reads; loaded models stay resident until unloaded.
+
+Submitting is where requests are refused: the model path is resolved inside the models
+directory, the header read and the placement planned on a bounded pool of threads
+(:mod:`.offload`), a big-endian file refused, the number of waiting loads bounded, and
+the plan's memory reserved on every device beside the loads and models already admitted
+(:mod:`.admission`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -15,11 +23,14 @@ from typing import Any
 
 import aiofiles.os
 
+from service.api.admission import Reservations, plan_needs
 from service.api.errors import public_error
-from service.errors import ConflictError, HoistError, ModelPathError, NotFoundError, RequestError
+from service.api.offload import Offloader, Watch
+from service.cancel import CancelToken
+from service.errors import BusyError, ConflictError, HoistError, ModelPathError, NotFoundError, RequestError, clip
 from service.loader.devices import Device
 from service.loader.model import LoadedModel, MemoryReport
-from service.loader.pipeline import LoadOptions, Progress, check_budget, load_model, staging_nbytes
+from service.loader.pipeline import LoadOptions, Progress, check_loadable, load_plan, staging_nbytes
 from service.loader.placement import PlacementParams, Plan, make_params, plan
 from service.loader.weights import WeightIndex, open_model
 
@@ -60,13 +71,15 @@ class LoadJob:
         model: the model path as requested, relative to the models directory.
         path: the resolved file path.
         params: the placement flags.
-        plan: the placement, as planned when the job was submitted.
+        plan: the placement, as planned when the job was submitted (and loaded).
         state: the current :class:`JobState`.
         bytes_done: tensor bytes in memory so far.
         bytes_total: tensor bytes the load brings in.
         cancel_requested: True once a cancel was asked for a running job.
         error: the failure as ``HoistError.to_dict()`` data, once failed.
         report: the memory report, once succeeded.
+        version: increases whenever anything but the byte counts changes (views of the
+            job are cached by it).
     """
 
     id: str
@@ -87,7 +100,9 @@ class LoadJob:
     created_at: datetime = field(default_factory=_now)
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    version: int = 0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    view: Any = field(default=None, repr=False)
 
     def transition(self, new: JobState) -> None:
         """Move to ``new``. Raises RuntimeError naming the allowed states otherwise."""
@@ -96,6 +111,7 @@ class LoadJob:
             expected = ", ".join(sorted(s.value for s in allowed)) or "nothing (terminal)"
             raise RuntimeError(f"job {self.id}: expected a move to {expected}, got {new.value}")
         self.state = new
+        self.version += 1
         if new is JobState.RUNNING:
             self.started_at = _now()
         elif new.terminal:
@@ -120,6 +136,20 @@ class ResidentModel:
     model: str
     loaded: LoadedModel
     loaded_at: datetime = field(default_factory=_now)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the job manager admits (see :class:`~service.api.settings.Settings`)."""
+
+    max_concurrent_loads: int = 1
+    max_queued_loads: int = 8
+    job_history: int = 256
+    request_workers: int = 4
+    max_waiting_requests: int = 32
+    request_timeout_s: float = 30.0
+    override_budget_s: float = 1.0
+    file_check_interval_s: float = 2.0
 
 
 MAX_MODEL_PATH = 4096
@@ -166,61 +196,99 @@ class JobManager:
     Args:
         models_dir: request paths are relative to it.
         devices: the devices models are placed on.
-        max_concurrent_loads: loads (and header parses) running at once; other loads
-            wait as ``queued``.
-        job_history: ended jobs kept for ``GET /v1/loads``; older ones are forgotten.
+        limits: what is admitted (waiting loads, request threads, time limits, ...).
     """
 
-    def __init__(
-        self, models_dir: str, devices: list[Device], max_concurrent_loads: int = 1, job_history: int = 256
-    ) -> None:
+    def __init__(self, models_dir: str, devices: list[Device], limits: Limits | None = None) -> None:
         self.models_dir = models_dir
         self.devices = devices
-        self.job_history = job_history
+        self.limits = limits or Limits()
         self.jobs: dict[str, LoadJob] = {}
         self.models: dict[str, ResidentModel] = {}
-        self._slots = asyncio.Semaphore(max_concurrent_loads)
-        # header parses of submitted models (bounded: a header can be large to parse)
-        self._parsing = asyncio.Semaphore(max_concurrent_loads)
+        self.reservations = Reservations(devices)
+        self.offloader = Offloader(
+            self.limits.request_workers, self.limits.max_waiting_requests, self.limits.request_timeout_s
+        )
+        self._slots = asyncio.Semaphore(self.limits.max_concurrent_loads)
         self._counter = itertools.count(1)
+        self._watcher: asyncio.Task[None] | None = None
 
     def _new_id(self) -> str:
         return f"lj_{next(self._counter):04d}{secrets.token_hex(4)}"
 
-    async def open(self, model: str) -> WeightIndex:
-        """Resolve ``model`` inside the models directory and parse it (and its splits).
-
-        Raises:
-            RequestError, ModelPathError: bad model path.
-            FormatError, SplitError, StorageError: not a valid, readable GGUF model.
-        """
-        path = await resolve_model_path(self.models_dir, model)
-        async with self._parsing:
-            return await asyncio.to_thread(open_model, path, root=self.models_dir)
+    def start(self) -> None:
+        """Start the background check of resident models' mapped files (on the event
+        loop that serves the jobs)."""
+        if self._watcher is None and self.limits.file_check_interval_s > 0:
+            self._watcher = asyncio.create_task(self._watch_files(), name="hoist file check")
 
     def params(self, flags: dict[str, Any]) -> PlacementParams:
         """Placement parameters from request flags (``-ot`` names checked against the
         devices' buffer types). Raises RequestError or PlacementError."""
         return make_params([d.default_buffer_type.name for d in self.devices], **flags)
 
-    async def plan_model(self, model: str, flags: dict[str, Any]) -> tuple[WeightIndex, PlacementParams, Plan]:
-        """Parse ``model`` and plan its placement with ``flags`` (a dry run)."""
-        index = await self.open(model)
-        params = self.params(flags)
-        return index, params, await asyncio.to_thread(plan, index, self.devices, params)
-
-    async def submit(self, model: str, flags: dict[str, Any], options: LoadOptions | None = None) -> LoadJob:
-        """Validate ``model`` and the placement flags, plan, and start loading in the
-        background.
+    async def plan_model(
+        self, model: str, flags: dict[str, Any], *, watch: Watch | None = None
+    ) -> tuple[WeightIndex, PlacementParams, Plan]:
+        """Parse ``model`` and plan its placement with ``flags`` (a dry run), on the
+        request threads, within the request time limit; stops when ``watch`` returns
+        (the client went away).
 
         Raises:
             RequestError, ModelPathError: bad model path or flags.
             FormatError, SplitError, StorageError: not a valid, readable GGUF model.
             PlacementError: the flags give no valid placement.
-            BudgetExceededError: the plan does not fit the devices' free memory now.
+            BusyError: too many requests wait for a thread.
+            WorkLimitError: the work took longer than the request time limit, or the
+                overrides longer than their budget.
+            RequestAbandonedError: ``watch`` returned first.
         """
-        index, params, placement = await self.plan_model(model, flags)
-        check_budget(placement, staging=staging_nbytes(placement, self.devices, options or LoadOptions()))
+        path = await resolve_model_path(self.models_dir, model)
+
+        def work(token: CancelToken) -> tuple[WeightIndex, PlacementParams, Plan]:
+            index = open_model(path, root=self.models_dir, cancel=token)
+            params = self.params(flags)
+            placement = plan(index, self.devices, params, cancel=token, match_budget_s=self.limits.override_budget_s)
+            return index, params, placement
+
+        return await self.offloader.run(work, what=f"planning '{clip(model, 200)}'", watch=watch)
+
+    def _queued(self) -> int:
+        return sum(1 for j in self.jobs.values() if j.state is JobState.QUEUED)
+
+    def _check_queue(self) -> None:
+        queued = self._queued()
+        if queued >= self.limits.max_queued_loads + self._free_slots():
+            raise BusyError(
+                f"{queued} loads are queued already (at most {self.limits.max_queued_loads}); try again later",
+                retry_after=5,
+            )
+
+    def _free_slots(self) -> int:
+        running = sum(1 for j in self.jobs.values() if j.state is JobState.RUNNING)
+        return max(self.limits.max_concurrent_loads - running, 0)
+
+    async def submit(
+        self, model: str, flags: dict[str, Any], options: LoadOptions | None = None, *, watch: Watch | None = None
+    ) -> LoadJob:
+        """Validate ``model`` and the placement flags, plan, reserve memory, and start
+        loading in the background.
+
+        Raises:
+            BusyError: the queue of waiting loads is full, or too many requests wait.
+            RequestError, ModelPathError: bad model path or flags.
+            FormatError, SplitError, StorageError: not a valid, readable GGUF model.
+            ByteOrderError: a big-endian file.
+            PlacementError: the flags give no valid placement.
+            BudgetExceededError: the plan does not fit beside the loads and models
+                already admitted.
+            WorkLimitError, RequestAbandonedError: as :meth:`plan_model`.
+        """
+        options = options or LoadOptions()
+        self._check_queue()
+        index, params, placement = await self.plan_model(model, flags, watch=watch)
+        check_loadable(index)
+        self._check_queue()
         job = LoadJob(
             id=self._new_id(),
             model=model,
@@ -229,9 +297,11 @@ class JobManager:
             plan=placement,
             n_tensors=len(index),
             bytes_total=sum(t.nbytes for t in placement.tensors),
-            options=options or LoadOptions(),
+            options=options,
             warnings=list(placement.warnings),
         )
+        needs = plan_needs(placement, staging_nbytes(placement, self.devices, options))
+        self.reservations.reserve(job.id, needs, model=model)
         self.jobs[job.id] = job
         job.task = asyncio.create_task(self._run(job, index), name=f"load {job.id}")
         job.task.add_done_callback(lambda _: self._finished(job))
@@ -242,19 +312,25 @@ class JobManager:
         # a finished task keeps its frames (and what they referenced) through its result
         # or exception; the job keeps only what it reports
         job.task = None
+        if job.id not in self.models:
+            self.reservations.release(job.id)
 
     def _prune(self) -> None:
         """Forget the oldest ended jobs beyond ``job_history``."""
         ended = [j for j in self.jobs.values() if j.state.terminal]
-        for job in ended[: max(0, len(ended) - self.job_history)]:
+        for job in ended[: max(0, len(ended) - self.limits.job_history)]:
             del self.jobs[job.id]
 
     def get(self, job_id: str) -> LoadJob:
         """The job ``job_id``. Raises NotFoundError."""
         job = self.jobs.get(job_id)
         if job is None:
-            raise NotFoundError(f"no load job '{job_id}'")
+            raise NotFoundError(f"no load job '{clip(job_id, 100)}'")
         return job
+
+    def _fail(self, job: LoadJob, error: dict[str, Any]) -> None:
+        job.error = error
+        job.transition(JobState.FAILED)
 
     async def _run(self, job: LoadJob, index: WeightIndex) -> None:
         async with self._slots:
@@ -267,24 +343,25 @@ class JobManager:
                 job.bytes_total = p.bytes_total
 
             try:
-                loaded = await load_model(
-                    index, devices=self.devices, params=job.params, options=job.options, on_progress=on_progress
-                )
+                loaded = await load_plan(index, job.plan, self.devices, options=job.options, on_progress=on_progress)
             except asyncio.CancelledError:
                 job.transition(JobState.CANCELLED)
                 raise
             except HoistError as exc:
-                job.error = public_error(exc, self.models_dir)
-                job.transition(JobState.FAILED)
+                self._fail(job, public_error(exc, self.models_dir))
                 logger.warning("load %s of %s failed: %s", job.id, job.model, exc)
                 return
+            except MemoryError:
+                self._fail(job, {"code": "out_of_memory", "message": "the host ran out of memory during the load"})
+                logger.error("load %s of %s ran out of host memory", job.id, job.model)
+                return
             except Exception as exc:
-                job.error = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
-                job.transition(JobState.FAILED)
+                self._fail(job, {"code": "internal_error", "message": f"internal error ({type(exc).__name__})"})
                 logger.exception("load %s of %s failed unexpectedly", job.id, job.model)
                 return
             self.models[job.id] = ResidentModel(job.id, job.model, loaded)
-            job.plan = loaded.plan
+            # the staging buffers are gone: the model keeps what its buffers hold
+            self.reservations.replace(job.id, plan_needs(loaded.plan))
             job.report = loaded.report
             job.warnings = list(loaded.warnings)
             job.stats = loaded.stats.to_dict()
@@ -299,7 +376,9 @@ class JobManager:
             raise ConflictError(f"load job '{job_id}' already ended as {job.state.value}")
         if job.state is JobState.QUEUED:
             job.transition(JobState.CANCELLED)
+            self.reservations.release(job.id)
         job.cancel_requested = True
+        job.version += 1
         if job.task is not None:
             job.task.cancel()
         return job
@@ -308,21 +387,54 @@ class JobManager:
         """The loaded model ``model_id``. Raises NotFoundError."""
         resident = self.models.get(model_id)
         if resident is None:
-            raise NotFoundError(f"no loaded model '{model_id}'")
+            raise NotFoundError(f"no loaded model '{clip(model_id, 100)}'")
         return resident
 
     def unload(self, model_id: str) -> ResidentModel:
         """Release the model ``model_id``. Raises NotFoundError."""
         resident = self.get_model(model_id)
         del self.models[model_id]
+        self.reservations.release(model_id)
         resident.loaded.close()
         return resident
 
+    def check_files(self) -> list[str]:
+        """Unload every resident model whose mapped files changed (shrank or were
+        rewritten) since they were mapped; returns their ids. Nothing in the service
+        reads a model's pages afterwards, so a shrunk file cannot raise SIGBUS here."""
+        gone = []
+        for model_id, resident in list(self.models.items()):
+            changed = resident.loaded.changed_files()
+            if not changed:
+                continue
+            how = "; ".join(f"{os.path.relpath(path, self.models_dir)}: {what}" for path, what in changed)
+            logger.warning("unloading %s (%s): its file changed while mapped (%s)", model_id, resident.model, how)
+            self.unload(model_id)
+            job = self.jobs.get(model_id)
+            if job is not None:
+                job.warnings.append(f"unloaded: the model file changed while mapped ({how})")
+                job.version += 1
+            gone.append(model_id)
+        return gone
+
+    async def _watch_files(self) -> None:
+        while True:
+            await asyncio.sleep(self.limits.file_check_interval_s)
+            try:
+                self.check_files()
+            except Exception:  # a check must never stop the checking
+                logger.exception("checking the files of resident models failed")
+
     async def close(self) -> None:
         """Cancel every job, wait for them, and release every model."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
         tasks = [job.task for job in self.jobs.values() if job.task is not None and not job.task.done()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for model_id in list(self.models):
             self.unload(model_id)
+        self.offloader.close()

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from service.loader.placement.overrides import MAX_OVERRIDES
+from service.loader.placement.params import MAX_DEVICES
+
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 
 
 class PlanRequest(BaseModel):
@@ -16,14 +21,19 @@ class PlanRequest(BaseModel):
     model: str = Field(
         max_length=4096, description="Path of the GGUF file (or its first split), relative to the models directory."
     )
-    n_gpu_layers: int | Literal["all", "auto"] | None = Field(
+    n_gpu_layers: Int32 | Literal["all", "auto"] | None = Field(
         default=None, description="Layers to offload, counting the output layer (-ngl); default all."
     )
     split_mode: Literal["none", "layer", "row"] = Field(default="layer", description="-sm")
-    main_gpu: int = Field(default=0, description="-mg: the device kept by split mode none (-1: none).")
-    tensor_split: list[float] | str | None = Field(default=None, description="-ts: proportions per device.")
-    override_tensor: list[str] = Field(
-        default_factory=list, description="-ot: PATTERN=BUFFER_TYPE items; the first match wins."
+    main_gpu: Int32 = Field(default=0, description="-mg: the device kept by split mode none (-1: none).")
+    tensor_split: (
+        Annotated[list[float], Field(max_length=MAX_DEVICES)] | Annotated[str, Field(max_length=1024)] | None
+    ) = Field(default=None, description="-ts: proportions per device.")
+    override_tensor: list[Annotated[str, Field(max_length=16384)]] = Field(
+        default_factory=list,
+        max_length=MAX_OVERRIDES,
+        description=f"-ot: PATTERN=BUFFER_TYPE items (each may hold several, comma-separated); the first match "
+        f"wins. At most {MAX_OVERRIDES} patterns of at most 256 characters.",
     )
     no_host: bool = Field(default=False, description="--no-host: no pinned host buffer type for CPU layers.")
     load_mode: Literal["auto", "none", "mmap", "mlock", "mmap+mlock", "direct-io"] = Field(
@@ -84,7 +94,10 @@ class LoadJobOut(BaseModel):
     bytes_done: int
     bytes_total: int
     n_tensors: int
-    plan: dict[str, Any] = Field(description="Devices, layer assignment, offload and buffer lines.")
+    plan: dict[str, Any] = Field(
+        description="A summary (load mode in effect, layers, devices, fits, llama.cpp's lines); the whole plan is "
+        "at /v1/loads/{id}/plan."
+    )
     warnings: list[str] = Field(default_factory=list, description="mlock limits, direct I/O fallbacks, ...")
     stats: dict[str, Any] | None = Field(default=None, description="How the bytes moved, once succeeded.")
     error: dict[str, Any] | None = None
@@ -120,6 +133,9 @@ class DeviceOut(BaseModel):
     buffer_types: list[str]
     models: list[DeviceModelUse]
     used_by_models_bytes: int
+    reserved_bytes: int = Field(
+        description="Bytes reserved here by queued and running loads and resident models (host memory: staging too)."
+    )
 
 
 class DeviceList(BaseModel):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MAX_TOKEN_FILE_BYTES = 4096
+"""Largest API token file read."""
 
 
 class Settings(BaseSettings):
@@ -17,18 +20,60 @@ class Settings(BaseSettings):
     """Directory that request paths are relative to; requests cannot leave it
     (``HOIST_MODELS_DIR``)."""
 
-    max_concurrent_loads: int = Field(default=1, ge=1)
+    max_concurrent_loads: int = Field(default=1, ge=1, le=64)
     """Loads that run at once; further loads wait in state ``queued``
     (``HOIST_MAX_CONCURRENT_LOADS``)."""
 
-    emulated_devices: str | None = Field(default=None)
+    max_queued_loads: int = Field(default=8, ge=0, le=10_000)
+    """Loads that may wait in state ``queued``; beyond, ``POST /v1/loads`` answers 429
+    with ``Retry-After`` (``HOIST_MAX_QUEUED_LOADS``)."""
+
+    emulated_devices: str | None = Field(default=None, max_length=4096)
     """Emulated GPUs to offer, as ``EMU0=3000MiB,EMU1=1000MiB`` (``HOIST_EMULATED_DEVICES``)."""
 
     cuda: bool = Field(default=True)
     """Use CUDA GPUs through PyTorch when available (``HOIST_CUDA``)."""
 
-    job_history: int = Field(default=256, ge=1)
+    job_history: int = Field(default=256, ge=1, le=100_000)
     """Ended load jobs kept for listing (``HOIST_JOB_HISTORY``)."""
+
+    api_token: SecretStr | None = Field(default=None)
+    """Bearer token every request but ``/healthz`` must carry (``HOIST_API_TOKEN``)."""
+
+    api_token_file: Path | None = Field(default=None)
+    """File holding the bearer token, e.g. a container secret (``HOIST_API_TOKEN_FILE``);
+    surrounding white space is ignored."""
+
+    allow_unauthenticated: bool = Field(default=False)
+    """Let ``hoist serve`` listen on a non-loopback address without a token
+    (``HOIST_ALLOW_UNAUTHENTICATED``)."""
+
+    request_workers: int = Field(default=4, ge=1, le=64)
+    """Threads that read headers and plan placements for requests
+    (``HOIST_REQUEST_WORKERS``)."""
+
+    max_waiting_requests: int = Field(default=32, ge=0, le=10_000)
+    """Requests that may wait for one of those threads; beyond, 429 with ``Retry-After``
+    (``HOIST_MAX_WAITING_REQUESTS``)."""
+
+    request_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    """Time limit of one request's header reading and planning, in seconds
+    (``HOIST_REQUEST_TIMEOUT_S``)."""
+
+    override_budget_s: float = Field(default=1.0, gt=0, le=60)
+    """Time the ``-ot`` patterns of one request may take to match every tensor name, in
+    seconds (``HOIST_OVERRIDE_BUDGET_S``)."""
+
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
+    """Largest request body, in bytes; beyond, 413 (``HOIST_MAX_BODY_BYTES``)."""
+
+    max_connections: int = Field(default=1024, ge=1, le=1_000_000)
+    """Connections and requests served at once; beyond, 503 (``HOIST_MAX_CONNECTIONS``)."""
+
+    file_check_interval_s: float = Field(default=2.0, ge=0, le=3600)
+    """How often the files of resident models with mapped tensors are checked; a model
+    whose file shrank or was rewritten is unloaded before anything reads its pages
+    (``HOIST_FILE_CHECK_INTERVAL_S``; 0: never)."""
 
     @field_validator("emulated_devices")
     @classmethod
@@ -48,3 +93,34 @@ class Settings(BaseSettings):
         if not value.is_dir():
             raise ValueError(f"models directory {value} does not exist or is not a directory")
         return value.resolve()
+
+    @model_validator(mode="after")
+    def _token_readable(self) -> Settings:
+        self.token()
+        return self
+
+    def token(self) -> str | None:
+        """The bearer token (from ``api_token``, else ``api_token_file``), or None.
+
+        Raises:
+            ValueError: both are set, the file cannot be read or is too long, or the token
+                is empty or holds white space or control characters.
+        """
+        if self.api_token is not None and self.api_token_file is not None:
+            raise ValueError("set HOIST_API_TOKEN or HOIST_API_TOKEN_FILE, not both")
+        if self.api_token is not None:
+            token = self.api_token.get_secret_value().strip()
+        elif self.api_token_file is not None:
+            try:
+                with open(self.api_token_file, "rb") as f:
+                    raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
+            except OSError as exc:
+                raise ValueError(f"cannot read the API token file {self.api_token_file}: {exc.strerror}") from None
+            if len(raw) > MAX_TOKEN_FILE_BYTES:
+                raise ValueError(f"the API token file is longer than {MAX_TOKEN_FILE_BYTES} bytes")
+            token = raw.decode("utf-8", "replace").strip()
+        else:
+            return None
+        if not token or any(c.isspace() or not c.isprintable() or not c.isascii() for c in token):
+            raise ValueError("the API token must be non-empty printable ASCII without white space")
+        return token

@@ -10,6 +10,7 @@ import resource
 
 from service.io import libc
 from service.io.align import PAGE_SIZE, align_down, align_up
+from service.io.meter import MemoryMeter
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +27,18 @@ class MemoryLock:
     Args:
         addr: start of the region (any address; locking works on whole pages).
         what: a name for messages (a file or buffer).
+        meter: counts the bytes locked (for a locked file mapping, whose pages are not
+            counted as an allocation anywhere else).
 
     Attributes:
         locked: bytes locked so far, from ``addr``.
         failed: the warning given when locking failed; further growth is not attempted.
     """
 
-    def __init__(self, addr: int, what: str) -> None:
+    def __init__(self, addr: int, what: str, meter: MemoryMeter | None = None) -> None:
         self.addr = addr
         self.what = what
+        self.meter = meter
         self.locked = 0
         self.failed: str | None = None
         self._page_start = align_down(addr, PAGE_SIZE)
@@ -60,6 +64,8 @@ class MemoryLock:
                 )
                 logger.warning("%s", self.failed)
                 return self.failed
+        if self.meter is not None:
+            self.meter.add(target - self.locked)
         self.locked = target
         return None
 
@@ -71,4 +77,6 @@ class MemoryLock:
                 libc.munlock(self._page_start, end - self._page_start)
             except OSError:
                 pass  # already unmapped: the lock went with the pages
+            if self.meter is not None:
+                self.meter.add(-self.locked)
         self.locked = 0

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from service.io.mapping import Mapping
 from service.loader.placement import Plan
 from service.loader.weights import WeightIndex
 
@@ -142,6 +143,7 @@ class LoadedModel:
         tied_output: LoadedTensor | None = None,
         warnings: list[str] | None = None,
         stats: Any = None,
+        mappings: Sequence[Mapping] = (),
     ) -> None:
         self.index = index
         self.plan = plan
@@ -151,6 +153,7 @@ class LoadedModel:
         self.report = report
         self.warnings = list(warnings or [])
         self.stats = stats
+        self._mappings = list(mappings)
         self._release: Callable[[], None] | None = release
 
     @property
@@ -158,11 +161,28 @@ class LoadedModel:
         """True once :meth:`close` has run."""
         return self._release is None
 
+    def changed_files(self) -> list[tuple[str, str]]:
+        """The mapped files that changed since they were mapped, as (path, how).
+
+        ``CPU_Mapped`` and lazy tensors are views of their file: if it shrinks, reading
+        the pages past its new end raises SIGBUS, which kills the process; if it is
+        rewritten in place, the tensors change. Check this before reading mapped tensors
+        of a file others may write, and close the model when it is not empty. Empty
+        once the model is closed.
+        """
+        out = []
+        for mapping in self._mappings:
+            how = mapping.changed()
+            if how is not None:
+                out.append((mapping.path, how))
+        return out
+
     def close(self) -> None:
         """Release every buffer and mapping the model holds. Idempotent."""
         release, self._release = self._release, None
         if release is None:
             return
+        self._mappings = []
         for tensor in self.tensors.values():
             tensor.data = np.empty(0, dtype=np.uint8)
         if self.tied_output is not None:

@@ -9,12 +9,16 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
+from service.cancel import CancelToken, check
 from service.errors import SplitError, TensorBoundsError
 from service.loader.gguf import GGUFFile, TensorInfo, read_gguf
 
 KEY_SPLIT_NO = "split.no"
 KEY_SPLIT_COUNT = "split.count"
 KEY_SPLIT_TENSORS_COUNT = "split.tensors.count"
+
+LLAMA_MAX_LAYERS = 512
+"""Most repeating layers a model may have (llama.cpp's ``LLAMA_MAX_LAYERS``)."""
 
 _LAYER = re.compile(r"blk\.[ \t\n\r\f\v]*([+-]?\d+)\.")
 
@@ -182,7 +186,13 @@ def _inside(root: str, path: str) -> bool:
     return os.path.commonpath([root, real]) == root
 
 
-def open_model(path: str | os.PathLike[str], *, root: str | None = None) -> WeightIndex:
+MAX_SPLITS = 65535
+"""Most splits a model may have (``split.count`` is a u16 in llama.cpp)."""
+
+
+def open_model(
+    path: str | os.PathLike[str], *, root: str | None = None, cancel: CancelToken | None = None
+) -> WeightIndex:
     """Parse the GGUF model at ``path`` (a single file, or the first split of a split
     model) and index its tensors.
 
@@ -195,6 +205,7 @@ def open_model(path: str | os.PathLike[str], *, root: str | None = None) -> Weig
         path: the model file, or its first split.
         root: when given, every split must resolve inside this directory; siblings are
             checked before they are opened.
+        cancel: checked while headers are parsed and between splits.
 
     Returns:
         The :class:`WeightIndex`.
@@ -204,13 +215,18 @@ def open_model(path: str | os.PathLike[str], *, root: str | None = None) -> Weig
         FormatError: a file is not valid GGUF, or a tensor's data lies outside its file.
         SplitError: not the first split, a sibling missing, misnumbered, outside ``root``
             or of another byte order, a tensor in two splits, or a tensor count other than
-            ``split.tensors.count``.
+            ``split.tensors.count``, or more than :data:`MAX_SPLITS` splits.
+        RequestAbandonedError, WorkLimitError: from ``cancel``.
     """
     name = os.fspath(path)
-    first = read_gguf(name)
+    first = read_gguf(name, cancel=cancel)
     n_split = _split_int(first, KEY_SPLIT_COUNT) or 0
     if n_split <= 1:
         return WeightIndex([first])
+    if n_split > MAX_SPLITS:
+        raise SplitError(
+            f"split.count is {n_split}, at most {MAX_SPLITS} splits are allowed", path=name, key=KEY_SPLIT_COUNT
+        )
     split_no = _required_split_int(first, KEY_SPLIT_NO)
     prefix = split_prefix(name, split_no, n_split)
     if split_no != 0:
@@ -230,12 +246,13 @@ def open_model(path: str | os.PathLike[str], *, root: str | None = None) -> Weig
     files = [first]
     real_root = os.path.realpath(root) if root is not None else None
     for i in range(1, n_split):
+        check(cancel)
         sibling = split_path(prefix, i, n_split)
         if not os.path.lexists(sibling):
             raise SplitError(f"split {i + 1} of {n_split} is missing: {sibling} does not exist", path=name)
         if real_root is not None and not _inside(real_root, sibling):
             raise SplitError(f"split {i + 1} of {n_split} leaves the models directory", path=sibling)
-        gguf_file = read_gguf(sibling)
+        gguf_file = read_gguf(sibling, cancel=cancel)
         found_no = _required_split_int(gguf_file, KEY_SPLIT_NO)
         if found_no != i:
             raise SplitError(

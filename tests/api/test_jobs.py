@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from service.api.jobs import JobManager, JobState, LoadJob
+from service.api.jobs import JobManager, JobState, Limits, LoadJob
 from service.loader.devices import CPUDevice
 from service.loader.pipeline.worker import Worker
 from service.loader.placement import PlacementParams, plan
@@ -73,7 +73,7 @@ async def test_job_history_is_bounded(tmp_path: Path) -> None:
     models = tmp_path / "models"
     models.mkdir()
     write_fixture(models / "m.gguf", tensors={"w": (np.ones(8, dtype=np.float32), gguf.GGMLQuantizationType.F32)})
-    jobs = JobManager(str(models), [CPUDevice()], job_history=3)
+    jobs = JobManager(str(models), [CPUDevice()], Limits(job_history=3))
     try:
         for _ in range(6):
             job = await jobs.submit("m.gguf", {"load_mode": "mmap"})

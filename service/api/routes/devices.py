@@ -31,5 +31,6 @@ async def list_devices(devices: DevicesDep, jobs: JobsDep) -> DeviceList:
                 )
         info = device.to_dict()
         info.update(free_bytes=mem.free, total_bytes=mem.total)
+        info["reserved_bytes"] = jobs.reservations.reserved(device.name)[0]
         out.append(DeviceOut(**info, models=uses, used_by_models_bytes=sum(u.total_bytes for u in uses)))
     return DeviceList(data=out)

@@ -2,45 +2,62 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from typing import Any
 
-from service.api.deps import JobsDep
-from service.api.routes.views import job_out
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from service.api.deps import ClientGoneDep, JobsDep
+from service.api.routes.views import job_out, plan_out
 from service.api.schemas import LoadJobList, LoadJobOut, LoadRequest
 from service.loader.pipeline import LoadOptions
 
 router = APIRouter(prefix="/v1/loads", tags=["loads"])
 
+_REFUSALS: dict[int | str, dict[str, Any]] = {
+    409: {"description": "The model does not fit beside the loads and models already admitted."},
+    429: {"description": "Too many loads are queued or requests waiting; see Retry-After."},
+}
 
-@router.post("", status_code=202, response_model=LoadJobOut)
-async def start_load(body: LoadRequest, jobs: JobsDep, response: Response) -> LoadJobOut:
+
+@router.post("", status_code=202, response_model=LoadJobOut, responses=_REFUSALS)
+async def start_load(body: LoadRequest, jobs: JobsDep, gone: ClientGoneDep) -> JSONResponse:
     """Start loading a model in the background; answers at once with the job.
 
     The file's header is read and the placement planned before answering, so a missing
-    or invalid file, invalid flags or a model that does not fit are a 4xx here rather
-    than a failed job."""
+    or invalid file, invalid flags, a big-endian file or a model that does not fit
+    beside the loads and models already admitted are a 4xx here rather than a failed
+    job; beyond ``HOIST_MAX_QUEUED_LOADS`` waiting loads the answer is 429."""
     options = LoadOptions(
         staging_buffers=body.staging_buffers, staging_nbytes=body.staging_size, check_tensors=body.check_tensors
     )
-    job = await jobs.submit(body.model, body.flags(), options)
-    response.headers["Location"] = f"/v1/loads/{job.id}"
-    return job_out(job)
+    job = await jobs.submit(body.model, body.flags(), options, watch=gone)
+    return JSONResponse(job_out(job, jobs.models_dir), status_code=202, headers={"Location": f"/v1/loads/{job.id}"})
 
 
 @router.get("", response_model=LoadJobList)
-async def list_loads(jobs: JobsDep) -> LoadJobList:
+async def list_loads(jobs: JobsDep) -> JSONResponse:
     """Every load job, oldest first."""
-    return LoadJobList(data=[job_out(j) for j in jobs.jobs.values()])
+    return JSONResponse({"data": [job_out(j, jobs.models_dir) for j in jobs.jobs.values()]})
 
 
 @router.get("/{job_id}", response_model=LoadJobOut)
-async def get_load(job_id: str, jobs: JobsDep) -> LoadJobOut:
-    """One load job: state, bytes done / total, error, and the memory report once done."""
-    return job_out(jobs.get(job_id))
+async def get_load(job_id: str, jobs: JobsDep) -> JSONResponse:
+    """One load job: state, bytes done / total, a summary of its plan, error, and the
+    memory report once done."""
+    return JSONResponse(job_out(jobs.get(job_id), jobs.models_dir))
+
+
+@router.get("/{job_id}/plan")
+async def get_load_plan(job_id: str, jobs: JobsDep) -> JSONResponse:
+    """The whole plan of a load job, every tensor's placement included (as
+    ``POST /v1/plans`` gives it)."""
+    job = jobs.get(job_id)
+    return JSONResponse(plan_out(job.plan, job.model, jobs.models_dir))
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=LoadJobOut)
-async def cancel_load(job_id: str, jobs: JobsDep) -> LoadJobOut:
+async def cancel_load(job_id: str, jobs: JobsDep) -> JSONResponse:
     """Cancel a queued or running load; it ends ``cancelled`` once everything it took
     is released. 409 for a job that already ended."""
-    return job_out(jobs.cancel(job_id))
+    return JSONResponse(job_out(jobs.cancel(job_id), jobs.models_dir), status_code=202)

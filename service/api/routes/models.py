@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
 from service.api.deps import JobsDep
 from service.api.routes.views import model_out
@@ -12,18 +13,18 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 
 
 @router.get("", response_model=ModelList)
-async def list_models(jobs: JobsDep) -> ModelList:
+async def list_models(jobs: JobsDep) -> JSONResponse:
     """Every loaded model with its memory report."""
-    return ModelList(data=[model_out(m) for m in jobs.models.values()])
+    return JSONResponse({"data": [model_out(m) for m in jobs.models.values()]})
 
 
 @router.get("/{model_id}", response_model=ModelOut)
-async def get_model(model_id: str, jobs: JobsDep) -> ModelOut:
+async def get_model(model_id: str, jobs: JobsDep) -> JSONResponse:
     """One loaded model."""
-    return model_out(jobs.get_model(model_id))
+    return JSONResponse(model_out(jobs.get_model(model_id)))
 
 
 @router.delete("/{model_id}", response_model=ModelOut)
-async def unload_model(model_id: str, jobs: JobsDep) -> ModelOut:
+async def unload_model(model_id: str, jobs: JobsDep) -> JSONResponse:
     """Unload a model: its buffers and mappings are released."""
-    return model_out(jobs.unload(model_id))
+    return JSONResponse(model_out(jobs.unload(model_id)))

@@ -1,47 +1,87 @@
-"""Response bodies built from the job manager's objects."""
+"""Response bodies built from the job manager's objects, as JSON-ready data.
+
+A job's view is cached by the job's version (it changes with the state, warnings and
+result, not with the byte counts), so that polling a job costs a dictionary copy and
+its encoding, whatever the size of its plan."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from service.api.errors import scrub_paths
 from service.api.jobs import JobState, LoadJob, ResidentModel
-from service.api.schemas import LoadJobOut, MemoryReportOut, ModelOut
 from service.loader.model import MemoryReport
+from service.loader.placement import Plan
 
 
-def memory_out(report: MemoryReport) -> MemoryReportOut:
-    return MemoryReportOut.model_validate(report.to_dict())
+def memory_out(report: MemoryReport) -> dict[str, Any]:
+    return report.to_dict()
 
 
-def job_out(job: LoadJob) -> LoadJobOut:
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """What a job shows of its plan; the whole plan is at ``/v1/loads/{id}/plan``."""
+    return {
+        "effective_load_mode": plan.effective_load_mode.value,
+        "n_layer": plan.n_layer,
+        "n_gpu_layers": plan.n_gpu_layers,
+        "devices": list(plan.devices),
+        "fits": plan.fits,
+        "lines": plan.lines(),
+    }
+
+
+def plan_out(plan: Plan, model: str, models_dir: str, *, tensors: bool = True) -> dict[str, Any]:
+    """The whole plan, naming the model as the request did."""
+    data = plan.to_dict(tensors=tensors)
+    data["model"] = model
+    out: dict[str, Any] = scrub_paths(data, models_dir)
+    return out
+
+
+def _job_static(job: LoadJob, models_dir: str) -> dict[str, Any]:
     base = f"/v1/loads/{job.id}"
-    return LoadJobOut(
-        id=job.id,
-        model=job.model,
-        load_mode=job.load_mode,
-        state=job.state.value,
-        cancel_requested=job.cancel_requested,
-        progress=round(job.progress, 6),
-        bytes_done=job.bytes_done,
-        bytes_total=job.bytes_total,
-        n_tensors=job.n_tensors,
-        plan=job.plan.to_dict(tensors=False),
-        warnings=job.warnings,
-        stats=job.stats,
-        error=job.error,
-        memory=memory_out(job.report) if job.report is not None else None,
-        model_id=job.id if job.state is JobState.SUCCEEDED else None,
-        created_at=job.created_at,
-        started_at=job.started_at,
-        finished_at=job.finished_at,
-        links={"self": base, "cancel": f"{base}/cancel"},
-    )
+    data = {
+        "id": job.id,
+        "object": "load_job",
+        "model": job.model,
+        "load_mode": job.load_mode,
+        "state": job.state.value,
+        "cancel_requested": job.cancel_requested,
+        "n_tensors": job.n_tensors,
+        "plan": plan_summary(job.plan),
+        "warnings": list(job.warnings),
+        "stats": job.stats,
+        "error": job.error,
+        "memory": memory_out(job.report) if job.report is not None else None,
+        "model_id": job.id if job.state is JobState.SUCCEEDED else None,
+        "created_at": job.created_at.isoformat(),
+        "started_at": job.started_at.isoformat() if job.started_at else None,
+        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+        "links": {"self": base, "plan": f"{base}/plan", "cancel": f"{base}/cancel"},
+    }
+    out: dict[str, Any] = scrub_paths(data, models_dir)
+    return out
 
 
-def model_out(resident: ResidentModel) -> ModelOut:
-    return ModelOut(
-        id=resident.id,
-        model=resident.model,
-        load_mode=resident.loaded.load_mode,
-        n_tensors=len(resident.loaded),
-        loaded_at=resident.loaded_at,
-        memory=memory_out(resident.loaded.report),
-    )
+def job_out(job: LoadJob, models_dir: str) -> dict[str, Any]:
+    """A job as ``GET /v1/loads/{id}`` shows it."""
+    cached = job.view
+    if cached is None or cached[0] != job.version:
+        cached = job.view = (job.version, _job_static(job, models_dir))
+    data = dict(cached[1])
+    data["bytes_done"] = job.bytes_done
+    data["bytes_total"] = job.bytes_total
+    data["progress"] = round(job.progress, 6)
+    return data
+
+
+def model_out(resident: ResidentModel) -> dict[str, Any]:
+    return {
+        "id": resident.id,
+        "object": "model",
+        "model": resident.model,
+        "load_mode": resident.loaded.load_mode,
+        "n_tensors": len(resident.loaded),
+        "loaded_at": resident.loaded_at.isoformat(),
+        "memory": memory_out(resident.loaded.report),
+    }

@@ -1,5 +1,6 @@
 """Devices that hold model buffers (llama.cpp's ``ggml_backend_dev``)."""
 
+from service.io.meter import HOST_MEMORY, MemoryMeter
 from service.loader.devices.base import (
     BufferType,
     Device,
@@ -15,6 +16,7 @@ from service.loader.devices.emulated import EMUDevice, parse_emulated_devices, p
 from service.loader.devices.registry import discover_devices
 
 __all__ = [
+    "HOST_MEMORY",
     "CPU_BUFFER_TYPE",
     "MAPPED_BUFFER_NAME",
     "BufferType",
@@ -26,6 +28,7 @@ __all__ = [
     "EMUDevice",
     "Event",
     "HostBuffer",
+    "MemoryMeter",
     "Stream",
     "discover_devices",
     "parse_emulated_devices",

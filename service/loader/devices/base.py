@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from service.io.align import aligned_empty
+from service.io.meter import HOST_MEMORY, MemoryMeter
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,19 @@ class DeviceBuffer(ABC):
 
     buffer_type: BufferType
     nbytes: int
+    _release_hooks: list[Callable[[], None]] | None = None
+
+    def on_release(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` once when the buffer is freed."""
+        if self._release_hooks is None:
+            self._release_hooks = []
+        self._release_hooks.append(hook)
+
+    def _released(self) -> None:
+        """Run the release hooks (subclasses call this from :meth:`free`, once)."""
+        hooks, self._release_hooks = self._release_hooks, None
+        for hook in hooks or ():
+            hook()
 
     @abstractmethod
     def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
@@ -175,6 +189,7 @@ class ArrayBuffer(DeviceBuffer):
             self._data = None
             if self._on_free is not None:
                 self._on_free()
+            self._released()
 
 
 class HostBuffer(ArrayBuffer):
@@ -218,6 +233,8 @@ class Device(ABC):
     split_buffer_type: BufferType | None = None
     extra_buffer_types: tuple[BufferType, ...] = ()
     unsupported: frozenset[str] = field(default_factory=frozenset)
+    held: MemoryMeter = field(default_factory=MemoryMeter, repr=False, compare=False)
+    """Device memory (not host memory) held by this process's buffers on the device."""
 
     @abstractmethod
     def memory(self) -> DeviceMemory:
@@ -241,13 +258,24 @@ class Device(ABC):
                 types.append(extra)
         return types
 
-    @abstractmethod
     def alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
-        """Allocate a buffer of ``buffer_type`` (one of this device's types).
+        """Allocate a buffer of ``buffer_type`` (one of this device's types), counted in
+        :attr:`held` (device memory) or :data:`HOST_MEMORY` (host buffer types) until it
+        is freed.
 
         Raises:
             OutOfMemoryError: the device cannot allocate ``nbytes``.
         """
+        buf = self._alloc(buffer_type, nbytes)
+        meter = HOST_MEMORY if buffer_type.is_host else self.held
+        size = buf.nbytes
+        meter.add(size)
+        buf.on_release(lambda: meter.add(-size))
+        return buf
+
+    @abstractmethod
+    def _alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
+        """Allocate a buffer (the device's own work; :meth:`alloc` counts it)."""
 
     def open_stream(self) -> Stream | None:
         """A stream for asynchronous uploads, or None for a device without async copies

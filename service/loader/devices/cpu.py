@@ -83,7 +83,7 @@ class CPUDevice(Device):
     def memory(self) -> DeviceMemory:
         return host_memory()
 
-    def alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
+    def _alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
         try:
             return HostBuffer(buffer_type, nbytes)
         except (MemoryError, ValueError) as exc:

@@ -62,7 +62,9 @@ class CUDABuffer(DeviceBuffer):
         return bytes(self.tensor[offset : offset + nbytes].cpu().numpy().tobytes())
 
     def free(self) -> None:
-        self._tensor = None
+        if self._tensor is not None:
+            self._tensor = None
+            self._released()
 
 
 class PinnedBuffer(ArrayBuffer):
@@ -140,10 +142,14 @@ class CUDADevice(Device):
         return CUDAStream(self.index)
 
     def memory(self) -> DeviceMemory:
-        free, total = _torch().cuda.mem_get_info(self.index)
-        return DeviceMemory(int(free), int(total))
+        """Free and total memory; memory PyTorch's caching allocator keeps for reuse
+        (reserved, no longer allocated) counts as free, since the next buffer gets it."""
+        cuda = _torch().cuda
+        free, total = cuda.mem_get_info(self.index)
+        cached = cuda.memory_reserved(self.index) - cuda.memory_allocated(self.index)
+        return DeviceMemory(int(free) + max(int(cached), 0), int(total))
 
-    def alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
+    def _alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
         torch = _torch()
         try:
             if buffer_type.is_host:

@@ -211,7 +211,7 @@ class EMUDevice(Device):
         with self._lock:
             return DeviceMemory(free=max(self.total - self.allocated, 0), total=self.total)
 
-    def alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
+    def _alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:
         if buffer_type.is_host:
             try:
                 return HostBuffer(buffer_type, nbytes)

@@ -26,6 +26,7 @@ from typing import Any
 
 from gguf import GGUFValueType
 
+from service.cancel import CancelToken, check
 from service.errors import (
     FormatError,
     MetadataError,
@@ -151,7 +152,7 @@ class GGUFFile:
         return self._by_name[name]
 
 
-def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+def read_gguf(path: str | os.PathLike[str], *, cancel: CancelToken | None = None) -> GGUFFile:
     """Parse the header, KV metadata and tensor infos of the GGUF file at ``path``.
 
     Ports ``gguf_init_from_file`` (llama.cpp ``ggml/src/gguf.cpp``) with ``no_alloc``:
@@ -160,6 +161,8 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
 
     Args:
         path: the file to read.
+        cancel: checked every few thousand KV pairs, tensor infos and array strings, so
+            that a huge header can be abandoned.
 
     Returns:
         The parsed :class:`GGUFFile`.
@@ -168,6 +171,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         StorageError: the file cannot be opened, is not a regular file, or cannot be read.
         FormatError: (a subclass of) the file is not valid GGUF; the message names the
             file, the key or tensor, and the byte offset.
+        RequestAbandonedError, WorkLimitError: from ``cancel``.
     """
     name = os.fspath(path)
     fd = open_readonly(name)
@@ -184,7 +188,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
                 f"file too small to be GGUF: {size} bytes, a GGUF header has {HEADER_NBYTES}",
                 path=name,
             )
-        parsed = _Parser(fd, size, name).parse()
+        parsed = _Parser(fd, size, name, cancel).parse()
         return replace(parsed, identity=file_identity(st))
     finally:
         os.close(fd)
@@ -197,6 +201,12 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 _LFS_PREFIX = b"version https://git-lfs"
+
+_CHECK_EVERY_MASK = 4095
+"""The cancel token is checked every 4096 KV pairs or tensor infos ..."""
+
+_CHECK_STRINGS_MASK = (1 << 16) - 1
+"""... and every 65536 strings of an array."""
 
 
 def _check_magic(head: bytes, path: str) -> None:
@@ -229,7 +239,8 @@ class _Parser:
     twice the header's size.
     """
 
-    def __init__(self, fd: int, size: int, path: str) -> None:
+    def __init__(self, fd: int, size: int, path: str, cancel: CancelToken | None = None) -> None:
+        self.cancel = cancel
         self.fd = fd
         self.size = size
         self.path = path
@@ -380,6 +391,8 @@ class _Parser:
 
         kv: dict[str, KVEntry] = {}
         for i in range(n_kv):
+            if not i & _CHECK_EVERY_MASK:
+                check(self.cancel)
             entry = self._kv_pair(i, kv)
             kv[entry.key] = entry
 
@@ -405,6 +418,8 @@ class _Parser:
         tensors: list[TensorInfo] = []
         by_name: dict[str, TensorInfo] = {}
         for i in range(n_tensors):
+            if not i & _CHECK_EVERY_MASK:
+                check(self.cancel)
             info = self._tensor_info(i, by_name)
             tensors.append(info)
             by_name[info.name] = info
@@ -532,6 +547,8 @@ class _Parser:
         pos = self.pos
         have = len(data) - 8
         for i in range(count):
+            if not i & _CHECK_STRINGS_MASK:
+                check(self.cancel)
             if pos > have:
                 if pos > last:
                     raise TruncatedError(

@@ -49,6 +49,7 @@ __all__ = [
     "Progress",
     "ProgressCallback",
     "check_budget",
+    "check_loadable",
     "staging_nbytes",
     "load_model",
     "load_plan",
@@ -79,6 +80,20 @@ def check_budget(p: Plan, *, staging: int = 0) -> None:
         path=p.model,
         hint="offload fewer layers (-ngl), change --tensor-split, use smaller staging buffers, or free memory",
     )
+
+
+def check_loadable(index: WeightIndex) -> None:
+    """Raise what makes ``index`` impossible to load whatever the placement.
+
+    Raises:
+        ByteOrderError: the file is big-endian (hoist loads little-endian data only).
+    """
+    if index.byte_order != "little":
+        raise ByteOrderError(
+            "the file is big-endian; hoist loads little-endian tensor data only",
+            path=index.path,
+            hint="convert it with gguf-py's `gguf-convert-endian FILE little`",
+        )
 
 
 def staging_nbytes(p: Plan, devices: Sequence[Device], options: LoadOptions) -> int:
@@ -152,12 +167,7 @@ async def load_model(
         params = PlacementParams(load_mode=mode)
     if chunk_nbytes is not None:
         options = replace(options or LoadOptions(), chunk_nbytes=chunk_nbytes)
-    if index.byte_order != "little":
-        raise ByteOrderError(
-            "the file is big-endian; hoist loads little-endian tensor data only",
-            path=index.path,
-            hint="convert it with gguf-py's `gguf-convert-endian FILE little`",
-        )
+    check_loadable(index)
     devices = list(devices) if devices is not None else [CPUDevice()]
     placement = await asyncio.to_thread(plan, index, devices, params)
     check_budget(placement, staging=staging_nbytes(placement, devices, options or LoadOptions()))
@@ -204,7 +214,17 @@ async def load_plan(
         tuple(BufferInfo(b.name, b.memory, b.nbytes, mapped=b.mapped, host=b.host) for b in placement.buffers)
     )
     warnings = [*placement.warnings, *res.warnings, *stats.notices]
-    return LoadedModel(index, placement, tensors, report, res.release, tied_output=tied, warnings=warnings, stats=stats)
+    return LoadedModel(
+        index,
+        placement,
+        tensors,
+        report,
+        res.release,
+        tied_output=tied,
+        warnings=warnings,
+        stats=stats,
+        mappings=list(res.mappings.values()),
+    )
 
 
 async def _run_worker(

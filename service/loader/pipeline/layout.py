@@ -29,6 +29,7 @@ import numpy as np
 from service.errors import StorageError
 from service.io.align import align_up
 from service.io.mapping import Mapping
+from service.io.meter import HOST_MEMORY
 from service.io.mlock import MemoryLock
 from service.loader.devices import Device, DeviceBuffer
 from service.loader.placement import LoadMode, Plan, TensorPlacement
@@ -176,7 +177,7 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
                 # lazy ranges are read at random, on demand; the rest is needed now
                 mapping.advise(t.offset, t.nbytes, _mmap_mod.MADV_RANDOM if t.lazy else _mmap_mod.MADV_WILLNEED)
         if lock_mapped:
-            file_locks[file_index] = MemoryLock(mapping.addr, gguf_file.path)
+            file_locks[file_index] = MemoryLock(mapping.addr, gguf_file.path, HOST_MEMORY)
             res.locks.append(file_locks[file_index])
 
     for i, t in enumerate(p.tensors):

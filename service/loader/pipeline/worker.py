@@ -151,6 +151,7 @@ class Worker:
         self.invalid: dict[str, InvalidData] = {}
         self.stats = WorkerStats()
         self._bounce: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        self._copy_bounce: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         self._check_fds: dict[int, int] = {}
 
     # -- helpers --------------------------------------------------------------------------
@@ -292,17 +293,36 @@ class Worker:
                 self.stats.notices.append(warning)
 
     def _copy(self, job: TensorJob) -> None:
-        """Under mmap, copy a tensor from the mapping into its (allocated) buffer."""
-        assert job.mapping is not None and job.dest is not None
+        """Under mmap, bring a tensor that lies in an allocated buffer (a device's, or a
+        host buffer that does not wrap the mapping) into it.
+
+        The bytes are read through the file (``pread``, from the page cache the mapping
+        shares), never through the mapping: a file that shrinks meanwhile then gives a
+        short read and a :class:`StorageError`, where touching the mapped pages past
+        its new end would raise SIGBUS and kill the process."""
+        assert job.dest is not None
+        f = self._file(job)
         chunk = self.options.chunk_nbytes
+        host = job.dest.buffer_type.is_host
         for start in range(0, job.nbytes, chunk):
             if self.cancel.is_set():
                 return
             n = min(chunk, job.nbytes - start)
-            job.mapping.populate(job.offset + start, n)
-            job.dest.write(job.dest_offset + start, job.mapping.array(job.offset + start, n))
+            target = job.dest.view(job.dest_offset + start, n) if host else None
+            if isinstance(target, np.ndarray):
+                self._read_into(f, job, target, job.offset + start)
+            else:
+                bounce = self._copy_buffer(n)
+                self._read_into(f, job, bounce, job.offset + start)
+                job.dest.write(job.dest_offset + start, bounce)
             self._done(job, n)
         self._validate_file(job)
+
+    def _copy_buffer(self, n: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """``n`` bytes of a host buffer reused by the copies of the mmap branch."""
+        if self._copy_bounce is None or len(self._copy_bounce) < n:
+            self._copy_bounce = aligned_empty(max(n, self.options.chunk_nbytes))
+        return self._copy_bounce[:n]
 
     def _read(self, run: Sequence[TensorJob]) -> None:
         """Read a run of host tensors (contiguous in the file as in their buffer) straight
@@ -492,5 +512,6 @@ class Worker:
             f.close()
         self.files.clear()
         self._bounce = None
+        self._copy_bounce = None
         if errors and not quiet and not self.cancel.is_set():
             raise errors[0]

@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar
-
-import regex
+from typing import TypeVar
 
 from service.errors import PlacementError, RequestError, clip
+from service.loader.placement.overrides import MAX_OVERRIDES, MAX_TOTAL_SIZE, compile_override, pattern_size
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -108,6 +107,9 @@ def parse_n_gpu_layers(value: str | int | None) -> int | None:
     return None if n < 0 else n
 
 
+MAX_DEVICES = 16
+"""Most devices llama.cpp places on (``LLAMA_MAX_DEVICES``), so most ``-ts`` values."""
+
 _MAX_SPLIT = 1e30
 """Largest ``-ts`` proportion: sums of a few stay finite in float32, as llama.cpp adds them."""
 
@@ -120,9 +122,11 @@ def parse_tensor_split(value: str | Sequence[float] | None) -> tuple[float, ...]
     """
     if value is None:
         return None
-    parts: Iterable[object] = value.replace("/", ",").split(",") if isinstance(value, str) else value
-    out = []
+    parts: Iterable[object] = value.replace("/", ",").split(",", MAX_DEVICES) if isinstance(value, str) else value
+    out: list[float] = []
     for part in parts:
+        if len(out) == MAX_DEVICES:
+            raise RequestError(f"too many tensor_split values: at most {MAX_DEVICES} (one per device)")
         try:
             f = float(str(part).strip())
         except ValueError:
@@ -135,59 +139,35 @@ def parse_tensor_split(value: str | Sequence[float] | None) -> tuple[float, ...]
     return tuple(out) or None
 
 
-OVERRIDE_MATCH_SECONDS = 0.25
-"""Longest time one ``-ot`` pattern may take to match one tensor name."""
-
-
-def compile_override(pattern: str) -> Any:
-    """``pattern`` compiled (``regex``, re-compatible, matchable with a timeout and
-    without holding the GIL).
-
-    Raises:
-        PlacementError: the pattern is invalid or too large to compile.
-    """
-    try:
-        return regex.compile(pattern)
-    except (regex.error, OverflowError, RecursionError, ValueError, MemoryError) as exc:
-        raise PlacementError(f"invalid pattern '{clip(pattern, 200)}' in tensor override: {exc}") from None
-
-
-def override_matches(compiled: Any, name: str) -> bool:
-    """Whether ``compiled`` is found in ``name`` (searched, as llama.cpp's regex_search).
-
-    Raises:
-        PlacementError: the match takes longer than :data:`OVERRIDE_MATCH_SECONDS`
-            (catastrophic backtracking).
-    """
-    try:
-        return compiled.search(name, timeout=OVERRIDE_MATCH_SECONDS, concurrent=True) is not None
-    except TimeoutError:
-        raise PlacementError(
-            f"tensor override pattern '{clip(compiled.pattern, 200)}' takes too long to match '{name}' "
-            "(catastrophic backtracking); simplify it",
-            tensor=name,
-        ) from None
-
-
 def parse_overrides(values: Iterable[str], buffer_types: Sequence[str]) -> tuple[TensorOverride, ...]:
     """``-ot`` values (each ``PATTERN=BUFT[,PATTERN=BUFT...]``), checked against the
     buffer type names ``-ot`` accepts: each device's default buffer type (``CPU``,
     ``EMU0``, ``CUDA0``, ...).
 
     Raises:
-        PlacementError: a value without ``=``, an invalid pattern, or an unknown buffer
-            type (the message lists the available ones).
+        PlacementError: a value without ``=``, an invalid or too costly pattern (see
+            :mod:`.overrides`), more than :data:`MAX_OVERRIDES` overrides, or an unknown
+            buffer type (the message lists the available ones).
     """
     out: list[TensorOverride] = []
+    total = 0
     for value in values:
         for item in value.split(","):
+            if len(out) == MAX_OVERRIDES:
+                raise PlacementError(f"too many tensor overrides: at most {MAX_OVERRIDES} are allowed")
             pattern, eq, buft = item.partition("=")
             if not eq or not pattern:
-                raise PlacementError(f"invalid tensor override '{item}' (expected PATTERN=BUFFER_TYPE)")
+                raise PlacementError(f"invalid tensor override '{clip(item, 100)}' (expected PATTERN=BUFFER_TYPE)")
             if buft not in buffer_types:
                 raise PlacementError(
-                    f"unknown buffer type '{buft}' in tensor override '{item}'; "
+                    f"unknown buffer type '{clip(buft, 100)}' in tensor override '{clip(item, 100)}'; "
                     f"available buffer types: {', '.join(buffer_types)}"
+                )
+            total += pattern_size(pattern)
+            if total > MAX_TOTAL_SIZE:
+                raise PlacementError(
+                    f"the tensor override patterns expand to more than {MAX_TOTAL_SIZE} items together; "
+                    "use fewer or simpler patterns"
                 )
             compile_override(pattern)
             out.append(TensorOverride(pattern, buft))

@@ -12,22 +12,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.errors import PlacementError
+from service.cancel import CancelToken, check
+from service.errors import MetadataError, PlacementError, TensorInfoError
 from service.loader.devices import BufferType, Device, DeviceMemory
 from service.loader.placement.buffers import BufferPlan, MiB, TensorPlacement, build_buffers
 from service.loader.placement.bufts import BuftList, cpu_buft_list, gpu_buft_list, select_weight_buft
 from service.loader.placement.devices import layer_device, select_devices, split_points
+from service.loader.placement.overrides import MATCH_BUDGET_SECONDS, OverrideMatcher
 from service.loader.placement.params import (
     LAZY_AUTO_MIN_NBYTES,
     LAZY_ELIGIBLE,
     LazyMode,
     LoadMode,
     PlacementParams,
-    compile_override,
-    override_matches,
 )
 from service.loader.tensor_classes import LayerClass, classify
-from service.loader.weights import WeightIndex, layer_of
+from service.loader.weights import LLAMA_MAX_LAYERS, WeightIndex, layer_of
 
 logger = logging.getLogger(__name__)
 
@@ -211,12 +211,34 @@ class Plan:
 
 
 def model_n_layer(index: WeightIndex) -> int:
-    """Repeating layers: ``<arch>.block_count``, at least one past the highest ``blk.N``."""
+    """Repeating layers: ``<arch>.block_count``, at least one past the highest ``blk.N``.
+
+    Raises:
+        MetadataError: ``<arch>.block_count`` is above llama.cpp's ``LLAMA_MAX_LAYERS``.
+        TensorInfoError: a tensor names a layer at or above ``LLAMA_MAX_LAYERS``.
+    """
     meta = index.metadata
     arch = meta.get("general.architecture")
-    declared = meta.get(f"{arch}.block_count") if isinstance(arch, str) else None
-    highest = max((layer_of(name) for name in index.weights), default=-1)
+    key = f"{arch}.block_count"
+    entry = meta.kv.get(key) if isinstance(arch, str) else None
+    declared = entry.value if entry is not None else None
     n = declared if isinstance(declared, int) and not isinstance(declared, bool) and declared >= 0 else 0
+    if n > LLAMA_MAX_LAYERS:
+        assert entry is not None
+        raise MetadataError(
+            f"'{key}' is {n}; llama.cpp loads at most {LLAMA_MAX_LAYERS} layers",
+            path=meta.path,
+            key=key,
+            offset=entry.offset,
+        )
+    highest, name = max(((layer_of(w), w) for w in index.weights), default=(-1, ""))
+    if highest >= LLAMA_MAX_LAYERS:
+        raise TensorInfoError(
+            f"tensor '{name}' is in layer {highest}; llama.cpp loads at most {LLAMA_MAX_LAYERS} layers",
+            path=index.files[index.weights[name].file_index].path,
+            tensor=name,
+            offset=index.weights[name].info.info_offset,
+        )
     return max(n, highest + 1)
 
 
@@ -229,7 +251,14 @@ def resolve_mmap(load_mode: LoadMode, devices: Sequence[Device]) -> bool:
     return maps
 
 
-def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams) -> Plan:
+def plan(
+    index: WeightIndex,
+    devices: Sequence[Device],
+    params: PlacementParams,
+    *,
+    cancel: CancelToken | None = None,
+    match_budget_s: float | None = MATCH_BUDGET_SECONDS,
+) -> Plan:
     """Place every tensor of ``index`` on ``devices`` as llama.cpp would.
 
     Pure: reads only metadata and the devices' memory figures; allocates nothing.
@@ -238,6 +267,9 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
         index: the model.
         devices: every device of the process (one of them the CPU).
         params: the placement flags.
+        cancel: checked for every tensor, so that a plan can be abandoned.
+        match_budget_s: seconds the ``-ot`` patterns may take to match every tensor
+            name together (None: no budget; each match has its own time limit anyway).
 
     Returns:
         The :class:`Plan`.
@@ -247,6 +279,10 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
             ``row`` on a device without split buffers, an override to a buffer type no
             device has, a tensor no buffer type accepts, or a tensor larger than its
             device's largest allocation.
+        MetadataError, TensorInfoError: the model declares or names more layers than
+            llama.cpp's ``LLAMA_MAX_LAYERS``.
+        WorkLimitError: the overrides took longer than ``match_budget_s`` to match.
+        RequestAbandonedError: from ``cancel``.
     """
     cpu = next((d for d in devices if d.type == "CPU"), None)
     if cpu is None:
@@ -272,30 +308,26 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
     for dev in devices:
         # -ot names device default buffer types; other types join as tensors use them
         bufts.setdefault(dev.default_buffer_type.name, (dev, dev.default_buffer_type))
-    overrides = [(compile_override(o.pattern), o) for o in params.overrides]
-    for _, o in overrides:
+    overrides = params.overrides
+    for o in overrides:
         if o.buffer_type not in bufts:
             raise PlacementError(f"unknown buffer type '{o.buffer_type}' in tensor override '{o.pattern}'")
-    matches = [0] * len(overrides)
+    matcher = OverrideMatcher([o.pattern for o in overrides], budget_s=match_budget_s, cancel=cancel)
     warnings: list[str] = []
     moved: list[tuple[str, str, str, str]] = []
 
     def choose(name: str, ggml_type: str, op: str, buft_list: BuftList) -> tuple[Device, BufferType, int | None]:
         chosen_buft: tuple[Device, BufferType] | None = None
-        which: int | None = None
-        for k, (compiled, o) in enumerate(overrides):
-            if override_matches(compiled, name):
-                matches[k] += 1
-                which = k
-                target = bufts[o.buffer_type]
-                if target[1] is cpu.default_buffer_type:
-                    # an override to CPU still selects within the CPU list
-                    chosen_buft = select_weight_buft(cpu_list, op, ggml_type)
-                    if use_mmap and OVERRIDE_CPU_WITH_MMAP not in warnings:
-                        warnings.append(OVERRIDE_CPU_WITH_MMAP)
-                else:
-                    chosen_buft = target
-                break
+        which = matcher.first(name)
+        if which is not None:
+            target = bufts[overrides[which].buffer_type]
+            if target[1] is cpu.default_buffer_type:
+                # an override to CPU still selects within the CPU list
+                chosen_buft = select_weight_buft(cpu_list, op, ggml_type)
+                if use_mmap and OVERRIDE_CPU_WITH_MMAP not in warnings:
+                    warnings.append(OVERRIDE_CPU_WITH_MMAP)
+            else:
+                chosen_buft = target
         if chosen_buft is None:
             chosen_buft = select_weight_buft(buft_list, op, ggml_type)
             if chosen_buft is None:
@@ -315,6 +347,7 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
 
     placed: list[TensorPlacement] = []
     for w in index.weights.values():
+        check(cancel)
         cls = classify(w.name)
         lazy = (
             w.name in LAZY_ELIGIBLE
@@ -379,9 +412,9 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
     if moved:
         name, ggml_type, src, dst = moved[0]
         moved_info = MovedTensors(len(moved), name, ggml_type, src, dst)
-    for k, n in enumerate(matches):
+    for k, n in enumerate(matcher.matches):
         if n == 0:
-            o = overrides[k][1]
+            o = overrides[k]
             warnings.append(f"tensor override {k} ('{o.pattern}={o.buffer_type}') matched 0 tensors")
     return Plan(
         model=index.path,
@@ -396,9 +429,9 @@ def plan(index: WeightIndex, devices: Sequence[Device], params: PlacementParams)
         tensors=tuple(placed),
         buffers=tuple(buffers),
         moved=moved_info,
-        override_matches=tuple(matches),
+        override_matches=tuple(matcher.matches),
         warnings=tuple(warnings),
         device_use=tuple(device_use),
         show_offload=any(d.type in ("GPU", "IGPU") for d in devices),
-        overrides=tuple(f"{o.pattern}={o.buffer_type}" for _, o in overrides),
+        overrides=tuple(f"{o.pattern}={o.buffer_type}" for o in overrides),
     )
