@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.helpers import ALL_VALUE_TYPES, Fixture, mixed_tensors, write_fixture
@@ -96,3 +99,80 @@ def live_server_emu(models_dir: Path) -> Iterator[str]:
     from service.api.settings import Settings
 
     yield from _serve(Settings(models_dir=models_dir, cuda=False, emulated_devices=EMULATED))
+
+
+class ServeProcess:
+    """A ``hoist serve`` process on 127.0.0.1 (see :func:`hoist_serve`)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.log = log
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def rss(self) -> int:
+        """The server's resident memory in bytes."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the server has used."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+def hoist_serve(models_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
+    """Start ``hoist serve`` processes (``start(**env)``: ``HOIST_*`` settings, extra CLI
+    arguments as ``args=[...]``) serving ``models_dir`` on a free local port; they are
+    stopped at the end."""
+    started: list[ServeProcess] = []
+
+    def start(args: Sequence[str] = (), **settings: str) -> ServeProcess:
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HOIST_")}
+        env.update({"HOIST_MODELS_DIR": str(models_dir), "HOIST_CUDA": "0", **settings})
+        log = tmp_path / f"serve-{port}.log"
+        cmd = [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())", "serve"]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [*cmd, "--port", str(port), "--log-level", "warning", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=Path(__file__).resolve().parent.parent,
+            )
+        server = ServeProcess(proc, f"http://127.0.0.1:{port}", log)
+        started.append(server)
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"hoist serve exited with {proc.returncode}: {server.output()}")
+            try:
+                if httpx.get(f"{server.url}/healthz", timeout=1).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"hoist serve did not start: {server.output()}")
+            time.sleep(0.05)
+
+    yield start
+    for server in started:
+        if server.alive:
+            server.proc.terminate()
+            try:
+                server.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                server.proc.kill()
+                server.proc.wait()

@@ -62,4 +62,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if token is not None:
         app.add_middleware(BearerAuth, token=token)
+    app.add_middleware(errors.UnhandledErrors)
     return app

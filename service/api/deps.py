@@ -15,17 +15,17 @@ DISCONNECT_POLL_S = 0.2
 """How often a request with blocking work checks whether its client went away."""
 
 
-def get_jobs(request: Request) -> JobManager:
+async def get_jobs(request: Request) -> JobManager:
     jobs: JobManager = request.state.jobs
     return jobs
 
 
-def get_devices(request: Request) -> list[Device]:
+async def get_devices(request: Request) -> list[Device]:
     devices: list[Device] = request.state.devices
     return devices
 
 
-def client_gone(request: Request) -> Watch:
+async def client_gone(request: Request) -> Watch:
     """A coroutine function that returns once the client of ``request`` disconnected."""
 
     async def watch() -> None:

@@ -12,6 +12,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import (
     AuthError,
@@ -119,10 +121,29 @@ async def _hoist_error(request: Request, exc: Exception) -> JSONResponse:
     return problem(status_for(exc), detail, code, request.url.path, headers, **data)
 
 
+_HTTP_CODES = {413: "content_too_large", 422: "unprocessable_content"}
+"""Codes of statuses whose phrase differs between Python versions (RFC 9110 names)."""
+
+
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
-    return problem(exc.status_code, str(exc.detail), code, request.url.path, dict(exc.headers or {}) or None)
+    code = _HTTP_CODES.get(exc.status_code) or HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(_allowed_methods(request))
+    return problem(exc.status_code, str(exc.detail), code, request.url.path, headers or None)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at the request's path (Starlette's own answer names
+    only the methods of the first route whose path matches)."""
+    methods: set[str] = set()
+    scope = {"type": "http", "path": request.url.path, "method": "", "root_path": ""}
+    for route in request.app.router.routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 async def _memory_error(request: Request, exc: Exception) -> JSONResponse:
@@ -130,10 +151,37 @@ async def _memory_error(request: Request, exc: Exception) -> JSONResponse:
     return problem(507, "the server ran out of memory answering this request", "out_of_memory", request.url.path)
 
 
-async def _unhandled_error(request: Request, exc: Exception) -> JSONResponse:
-    # logged with its traceback by the server; the client learns nothing internal
-    logger.error("internal error answering %s %s: %s", request.method, request.url.path, type(exc).__name__)
-    return problem(500, "internal server error", "internal_error", request.url.path)
+class UnhandledErrors:
+    """Answers any exception the app lets through with a ``500`` problem+json (logged with
+    its traceback; the client learns nothing internal), and keeps the connection usable.
+
+    Args:
+        app: the application.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            logger.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            response = problem(500, "internal server error", "internal_error", scope["path"])
+            await response(scope, receive, send)
 
 
 _MAX_ERRORS = 20
@@ -151,9 +199,9 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    """Register the problem+json handlers on ``app``."""
+    """Register the problem+json handlers on ``app`` (and :class:`UnhandledErrors`, which
+    the app adds as its outermost middleware)."""
     app.add_exception_handler(HoistError, _hoist_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(MemoryError, _memory_error)
-    app.add_exception_handler(Exception, _unhandled_error)

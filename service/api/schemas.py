@@ -19,7 +19,9 @@ class PlanRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(
-        max_length=4096, description="Path of the GGUF file (or its first split), relative to the models directory."
+        min_length=1,
+        max_length=4096,
+        description="Path of the GGUF file (or its first split), relative to the models directory.",
     )
     n_gpu_layers: Int32 | Literal["all", "auto"] | None = Field(
         default=None, description="Layers to offload, counting the output layer (-ngl); default all."
@@ -154,6 +156,48 @@ class ModelOut(BaseModel):
 
 class ModelList(BaseModel):
     data: list[ModelOut]
+
+
+class Problem(BaseModel):
+    """An error (RFC 9457 ``application/problem+json``); ``code`` is stable, and the file,
+    key, tensor and byte offset are given where they apply."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    code: str
+    instance: str
+    path: str | None = None
+    offset: int | None = None
+    key: str | None = None
+    tensor: str | None = None
+    hint: str | None = None
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses: each status answered with a :class:`Problem`."""
+    schema = Problem.model_json_schema()
+    described = {
+        400: "Invalid flags or path.",
+        401: "A bearer token is required (when the service has one).",
+        404: "No such job, model or model file.",
+        409: "Conflicts with the state of the target, or does not fit the devices' memory.",
+        413: "The request body is too large.",
+        422: "Invalid request body, or a file that is not valid GGUF or cannot be loaded.",
+        429: "Too many loads queued or requests waiting (see Retry-After).",
+        500: "Internal error.",
+        507: "The server ran out of memory.",
+    }
+    return {
+        status: {"description": described[status], "content": {"application/problem+json": {"schema": schema}}}
+        for status in statuses
+    }
+
+
+COMMON_PROBLEMS = problem_responses(401, 413, 500, 507)
 
 
 class Health(BaseModel):

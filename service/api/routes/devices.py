@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service.api.deps import DevicesDep, JobsDep
-from service.api.schemas import DeviceList, DeviceModelUse, DeviceOut
+from service.api.schemas import COMMON_PROBLEMS, DeviceList, DeviceModelUse, DeviceOut
 
-router = APIRouter(prefix="/v1/devices", tags=["devices"])
+router = APIRouter(prefix="/v1/devices", tags=["devices"], responses=COMMON_PROBLEMS)
 
 
 @router.get("", response_model=DeviceList)

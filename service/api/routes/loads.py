@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from service.api.deps import ClientGoneDep, JobsDep
-from service.api.routes.views import job_out, plan_out
-from service.api.schemas import LoadJobList, LoadJobOut, LoadRequest
+from service.api.routes.views import job_json, job_out, plan_out
+from service.api.schemas import COMMON_PROBLEMS, LoadJobList, LoadJobOut, LoadRequest, problem_responses
 from service.loader.pipeline import LoadOptions
 
-router = APIRouter(prefix="/v1/loads", tags=["loads"])
+router = APIRouter(prefix="/v1/loads", tags=["loads"], responses=COMMON_PROBLEMS)
 
-_REFUSALS: dict[int | str, dict[str, Any]] = {
-    409: {"description": "The model does not fit beside the loads and models already admitted."},
-    429: {"description": "Too many loads are queued or requests waiting; see Retry-After."},
-}
+_SUBMIT = problem_responses(400, 404, 409, 422, 429)
+_ONE = problem_responses(404)
 
 
-@router.post("", status_code=202, response_model=LoadJobOut, responses=_REFUSALS)
+@router.post("", status_code=202, response_model=LoadJobOut, responses=_SUBMIT)
 async def start_load(body: LoadRequest, jobs: JobsDep, gone: ClientGoneDep) -> JSONResponse:
     """Start loading a model in the background; answers at once with the job.
 
@@ -41,14 +37,14 @@ async def list_loads(jobs: JobsDep) -> JSONResponse:
     return JSONResponse({"data": [job_out(j, jobs.models_dir) for j in jobs.jobs.values()]})
 
 
-@router.get("/{job_id}", response_model=LoadJobOut)
-async def get_load(job_id: str, jobs: JobsDep) -> JSONResponse:
+@router.get("/{job_id}", response_model=LoadJobOut, responses=_ONE)
+async def get_load(job_id: str, jobs: JobsDep) -> Response:
     """One load job: state, bytes done / total, a summary of its plan, error, and the
     memory report once done."""
-    return JSONResponse(job_out(jobs.get(job_id), jobs.models_dir))
+    return Response(job_json(jobs.get(job_id), jobs.models_dir), media_type="application/json")
 
 
-@router.get("/{job_id}/plan")
+@router.get("/{job_id}/plan", responses=_ONE)
 async def get_load_plan(job_id: str, jobs: JobsDep) -> JSONResponse:
     """The whole plan of a load job, every tensor's placement included (as
     ``POST /v1/plans`` gives it)."""
@@ -56,7 +52,7 @@ async def get_load_plan(job_id: str, jobs: JobsDep) -> JSONResponse:
     return JSONResponse(plan_out(job.plan, job.model, jobs.models_dir))
 
 
-@router.post("/{job_id}/cancel", status_code=202, response_model=LoadJobOut)
+@router.post("/{job_id}/cancel", status_code=202, response_model=LoadJobOut, responses=problem_responses(404, 409))
 async def cancel_load(job_id: str, jobs: JobsDep) -> JSONResponse:
     """Cancel a queued or running load; it ends ``cancelled`` once everything it took
     is released. 409 for a job that already ended."""

@@ -7,9 +7,9 @@ from fastapi.responses import JSONResponse
 
 from service.api.deps import JobsDep
 from service.api.routes.views import model_out
-from service.api.schemas import ModelList, ModelOut
+from service.api.schemas import COMMON_PROBLEMS, ModelList, ModelOut, problem_responses
 
-router = APIRouter(prefix="/v1/models", tags=["models"])
+router = APIRouter(prefix="/v1/models", tags=["models"], responses=COMMON_PROBLEMS)
 
 
 @router.get("", response_model=ModelList)
@@ -18,13 +18,13 @@ async def list_models(jobs: JobsDep) -> JSONResponse:
     return JSONResponse({"data": [model_out(m) for m in jobs.models.values()]})
 
 
-@router.get("/{model_id}", response_model=ModelOut)
+@router.get("/{model_id}", response_model=ModelOut, responses=problem_responses(404))
 async def get_model(model_id: str, jobs: JobsDep) -> JSONResponse:
     """One loaded model."""
     return JSONResponse(model_out(jobs.get_model(model_id)))
 
 
-@router.delete("/{model_id}", response_model=ModelOut)
+@router.delete("/{model_id}", response_model=ModelOut, responses=problem_responses(404))
 async def unload_model(model_id: str, jobs: JobsDep) -> JSONResponse:
     """Unload a model: its buffers and mappings are released."""
     return JSONResponse(model_out(jobs.unload(model_id)))

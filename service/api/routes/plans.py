@@ -7,12 +7,12 @@ from fastapi.responses import JSONResponse
 
 from service.api.deps import ClientGoneDep, JobsDep
 from service.api.routes.views import plan_out
-from service.api.schemas import PlanRequest
+from service.api.schemas import COMMON_PROBLEMS, PlanRequest, problem_responses
 
-router = APIRouter(prefix="/v1/plans", tags=["plans"])
+router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=COMMON_PROBLEMS)
 
 
-@router.post("")
+@router.post("", responses=problem_responses(400, 404, 422, 429))
 async def make_plan(body: PlanRequest, jobs: JobsDep, gone: ClientGoneDep) -> JSONResponse:
     """Plan the placement of a model with llama.cpp's flags: the devices, the device of
     every layer, the buffer type of every tensor, the model buffers with their sizes,

@@ -6,6 +6,7 @@ its encoding, whatever the size of its plan."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from service.api.errors import scrub_paths
@@ -63,16 +64,31 @@ def _job_static(job: LoadJob, models_dir: str) -> dict[str, Any]:
     return out
 
 
-def job_out(job: LoadJob, models_dir: str) -> dict[str, Any]:
-    """A job as ``GET /v1/loads/{id}`` shows it."""
+def _cached(job: LoadJob, models_dir: str) -> tuple[dict[str, Any], bytes]:
+    """The job's view without its byte counts, as data and as JSON without the closing
+    brace; rebuilt when the job's version changes."""
     cached = job.view
     if cached is None or cached[0] != job.version:
-        cached = job.view = (job.version, _job_static(job, models_dir))
-    data = dict(cached[1])
+        static = _job_static(job, models_dir)
+        encoded = json.dumps(static, ensure_ascii=False, separators=(",", ":")).encode()
+        cached = job.view = (job.version, static, encoded[:-1])
+    return cached[1], cached[2]
+
+
+def job_out(job: LoadJob, models_dir: str) -> dict[str, Any]:
+    """A job as ``GET /v1/loads/{id}`` shows it."""
+    data = dict(_cached(job, models_dir)[0])
     data["bytes_done"] = job.bytes_done
     data["bytes_total"] = job.bytes_total
     data["progress"] = round(job.progress, 6)
     return data
+
+
+def job_json(job: LoadJob, models_dir: str) -> bytes:
+    """:func:`job_out` encoded as JSON, from the cached encoding of all but the counts."""
+    head = _cached(job, models_dir)[1]
+    counts = f',"bytes_done":{job.bytes_done},"bytes_total":{job.bytes_total},"progress":{round(job.progress, 6)}}}'
+    return head + counts.encode()
 
 
 def model_out(resident: ResidentModel) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import BudgetExceededError, ByteOrderError, InvalidDataError, LoadCancelledError
+from service.errors import BudgetExceededError, ByteOrderError, InvalidDataError, LoadCancelledError, StorageError
 from service.io.mapping import Mapping
 from service.loader.devices import MAPPED_BUFFER_NAME, CPUDevice, Device
 from service.loader.ggml_types import GGML_TYPES_BY_NAME, numpy_dtype, numpy_shape
@@ -155,7 +155,8 @@ async def load_model(
         BudgetExceededError: the plan needs more memory than a device has free; nothing
             was allocated.
         OutOfMemoryError: an allocation failed.
-        StorageError: a file cannot be opened, mapped or read.
+        StorageError: a file cannot be opened, mapped or read, or it changed (shrank or
+            was rewritten) during the load.
         InvalidDataError: with check-tensors, tensors hold NaN/Inf values or scales; the
             error lists every one.
         LoadCancelledError: the progress callback returned ``False``.
@@ -198,6 +199,10 @@ async def load_plan(
             placement.load_mode is LoadMode.DIRECT_IO,
             on_progress,
         )
+        for mapping in res.mappings.values():
+            how = mapping.changed()
+            if how is not None:
+                raise StorageError(f"the file changed while it was mapped for the load: {how}", path=mapping.path)
         if invalid:
             listed = "; ".join(f"tensor '{name}': {found.reason}" for name, found in invalid.items())
             raise InvalidDataError(

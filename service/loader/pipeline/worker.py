@@ -227,6 +227,25 @@ class Worker:
             check_identity(job.path, self.identities.get(job.file_index, (0, 0, 0, 0)), opened)
         return fd
 
+    def _changed_files(self) -> list[StorageError]:
+        """A file read from that changed (size or modification time) since it was opened:
+        bytes read before and after the change may not belong together."""
+        out = []
+        for f in self.files.values():
+            try:
+                st = os.fstat(f.fd)
+            except OSError as exc:
+                out.append(StorageError(f"cannot check the file after reading it: {exc.strerror}", path=f.path))
+                continue
+            if (st.st_size, st.st_mtime_ns) != (f.identity[2], f.identity[3]):
+                out.append(
+                    StorageError(
+                        f"the file changed while it was read ({f.identity[2]} bytes then, {st.st_size} now)",
+                        path=f.path,
+                    )
+                )
+        return out
+
     def _done(self, job: TensorJob, n: int) -> None:
         self.stats.branches[job.branch] = self.stats.branches.get(job.branch, 0) + n
         self.report(n)
@@ -504,6 +523,8 @@ class Worker:
                 continue
             if found is not None and name not in self.invalid:
                 self.invalid[name] = found
+        if not quiet and not self.cancel.is_set():
+            errors.extend(self._changed_files())
         for f in self.files.values():
             if self.direct and f.direct:
                 self.stats.direct_io.append(f.path)
