@@ -20,7 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+# this directory holds bench/service.py, which would shadow the ``service`` package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import numpy as np  # noqa: E402
 
 MODES = ["none", "mmap", "mlock", "mmap+mlock", "direct-io"]
 

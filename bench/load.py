@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# this directory holds bench/service.py, which would shadow the ``service`` package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 MiB = 1 << 20
 CHUNK = 16 * MiB
 DIRECT_CHUNK = 64 * MiB

@@ -17,9 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gguf
+# this directory holds bench/service.py, which would shadow the ``service`` package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from service.loader.weights import open_model
+import gguf  # noqa: E402
+
+from service.loader.weights import open_model  # noqa: E402
 
 
 def median_seconds(fn: Callable[[], Any], repeat: int) -> float:

@@ -3,6 +3,8 @@ engine runs here, so their content is checked)."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import yaml
@@ -46,3 +48,27 @@ def test_compose_essentials() -> None:
     check = service["healthcheck"]
     assert "/healthz" in " ".join(check["test"]) and check["interval"]
     assert service["environment"]["HOIST_MODELS_DIR"] == "/models"
+    # served on every address of the container: a token is required, and memory bounded
+    assert service["environment"]["HOIST_API_TOKEN"].startswith("${HOIST_API_TOKEN:?")
+    assert service["mem_limit"] and service["memswap_limit"] == service["mem_limit"]
+    assert service["read_only"] is True and "ALL" in service["cap_drop"]
+
+
+def test_the_container_command_refuses_to_serve_without_a_token(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    cmd = next(rest for word, rest in reversed(dockerfile_instructions()) if word == "CMD")
+    argv = json.loads(cmd)
+    assert argv[:2] == ["hoist", "serve"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOIST_")}
+    env["HOIST_MODELS_DIR"] = str(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())", *argv[1:]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+    )
+    assert run.returncode == 1 and "without an API token" in run.stderr

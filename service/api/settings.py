@@ -14,7 +14,7 @@ MAX_TOKEN_FILE_BYTES = 4096
 class Settings(BaseSettings):
     """Settings of one service instance."""
 
-    model_config = SettingsConfigDict(env_prefix="HOIST_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="HOIST_", extra="ignore", use_attribute_docstrings=True)
 
     models_dir: Path = Field(default=Path("models"))
     """Directory that request paths are relative to; requests cannot leave it
@@ -68,7 +68,8 @@ class Settings(BaseSettings):
     """Largest request body, in bytes; beyond, 413 (``HOIST_MAX_BODY_BYTES``)."""
 
     max_connections: int = Field(default=1024, ge=1, le=1_000_000)
-    """Connections and requests served at once; beyond, 503 (``HOIST_MAX_CONNECTIONS``)."""
+    """Open connections (and requests) at once; beyond, uvicorn answers a plain ``503``
+    itself, before the application sees the request (``HOIST_MAX_CONNECTIONS``)."""
 
     file_check_interval_s: float = Field(default=2.0, ge=0, le=3600)
     """How often the files of resident models with mapped tensors are checked; a model
@@ -124,3 +125,18 @@ class Settings(BaseSettings):
         if not token or any(c.isspace() or not c.isprintable() or not c.isascii() for c in token):
             raise ValueError("the API token must be non-empty printable ASCII without white space")
         return token
+
+
+def markdown_table() -> list[str]:
+    """The rows of the README's settings table: variable, default, what it does (the
+    field's docstring without the variable name it ends with)."""
+    rows = []
+    for name, field in Settings.model_fields.items():
+        env = f"HOIST_{name.upper()}"
+        default = field.default
+        shown = "unset" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+        text = " ".join((field.description or "").split())
+        text = text.replace(f" (``{env}``)", "").replace(f" (``{env}``; ", " (")
+        text = text.replace("``", "`")
+        rows.append(f"| `{env}` | `{shown}` | {text} |")
+    return rows
