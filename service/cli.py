@@ -153,7 +153,7 @@ def _layer_ranges(layers: dict[str, str]) -> str:
 
 def _print_plan(p: Plan, *, verbose: bool = False) -> None:
     devices = ", ".join(p.devices) or "none (CPU only)"
-    err.print(f"devices: {devices}; load mode: {'mmap' if p.use_mmap else 'read'}")
+    err.print(f"devices: {devices}; load mode: {p.effective_load_mode.value}")
     err.print(f"layers: {_layer_ranges(p.layers)}")
     for w in p.warnings:
         err.print(f"[yellow]warning:[/yellow] {escape(w)}")

@@ -134,16 +134,19 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return problem(exc.status_code, str(exc.detail), code, request.url.path, headers or None)
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
 def _allowed_methods(request: Request) -> list[str]:
     """Every method some route serves at the request's path (Starlette's own answer names
-    only the methods of the first route whose path matches)."""
-    methods: set[str] = set()
-    scope = {"type": "http", "path": request.url.path, "method": "", "root_path": ""}
-    for route in request.app.router.routes:
-        match, _ = route.matches(scope)
-        if match is not Match.NONE:
-            methods.update(getattr(route, "methods", None) or ())
-    return sorted(methods)
+    only the methods of the first route whose path matches): each method is tried
+    against every route."""
+    allowed = []
+    for method in _METHODS:
+        scope = {"type": "http", "path": request.url.path, "method": method, "root_path": "", "headers": []}
+        if any(route.matches(scope)[0] is Match.FULL for route in request.app.router.routes):
+            allowed.append(method)
+    return allowed
 
 
 async def _memory_error(request: Request, exc: Exception) -> JSONResponse:

@@ -429,6 +429,10 @@ def test_a_big_endian_file_is_refused_at_submit(live_server: str, models_dir: Pa
         body = is_problem(client.post("/v1/loads", json={"model": "be.gguf"}), 422, "unsupported_byte_order")
         assert "gguf-convert-endian" in body["detail"]
         assert client.get("/v1/loads").json()["data"] == []
+        # a dry run plans it, and says it cannot be loaded
+        planned = client.post("/v1/plans", json={"model": "be.gguf"})
+        assert planned.status_code == 200
+        assert any("big-endian" in w and "not loaded" in w for w in planned.json()["warnings"])
 
 
 # -- leaks and inconsistencies -------------------------------------------------------------------------
@@ -479,7 +483,12 @@ def test_unhandled_errors_are_problems(live_server: str, models_dir: Path, monke
         monkeypatch.undo()
         is_problem(client.get("/v1/loads/lj_x"), 404, "not_found")
         is_problem(client.get("/no/such/route"), 404)
-        is_problem(client.delete("/healthz"), 405)
+        refused = client.delete("/healthz")
+        is_problem(refused, 405)
+        assert refused.headers["allow"] == "GET, HEAD"
+        assert client.head("/healthz").status_code == 200
+        assert client.put("/v1/loads").headers["allow"] == "GET, POST"
+        assert client.post("/v1/models/x").headers["allow"] == "GET, DELETE"
         assert client.get("/healthz").status_code == 200
 
 

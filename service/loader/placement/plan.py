@@ -36,6 +36,12 @@ OVERRIDE_CPU_WITH_MMAP = (
 )
 
 
+BIG_ENDIAN_WARNING = (
+    "the file is big-endian: it can be planned but not loaded; convert it with gguf-py's "
+    "`gguf-convert-endian FILE little`"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class MovedTensors:
     """Tensors that could not use the first buffer type of their list (llama.cpp logs
@@ -314,6 +320,8 @@ def plan(
             raise PlacementError(f"unknown buffer type '{o.buffer_type}' in tensor override '{o.pattern}'")
     matcher = OverrideMatcher([o.pattern for o in overrides], budget_s=match_budget_s, cancel=cancel)
     warnings: list[str] = []
+    if index.byte_order != "little":
+        warnings.append(BIG_ENDIAN_WARNING)
     moved: list[tuple[str, str, str, str]] = []
 
     def choose(name: str, ggml_type: str, op: str, buft_list: BuftList) -> tuple[Device, BufferType, int | None]:
