@@ -321,19 +321,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.api.app import create_app
+    from service.api.server import server_config
 
     settings = _settings(args, args.models_dir)
     check_exposure(args.host, settings)
     app = create_app(settings)
     _check_port_free(args.host, args.port)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        loop="uvloop",
-        log_level=args.log_level,
-        limit_concurrency=settings.max_connections,
-    )
+    uvicorn.Server(server_config(app, settings, host=args.host, port=args.port, log_level=args.log_level)).run()
     return 0
 
 
@@ -351,6 +345,7 @@ async def _demo(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.api.app import create_app
+    from service.api.server import server_config
     from service.sample import place_sample
 
     models_dir = args.models_dir or os.environ.get("HOIST_MODELS_DIR", DEFAULT_MODELS_DIR)
@@ -361,10 +356,7 @@ async def _demo(args: argparse.Namespace) -> int:
     check_exposure(args.host, settings)
     token = settings.token()
     app = create_app(settings)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="warning", limit_concurrency=settings.max_connections
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(server_config(app, settings, host=args.host, port=args.port, log_level="warning"))
     serving = asyncio.create_task(server.serve())
     while not server.started:
         if serving.done():

@@ -13,6 +13,7 @@ escaping is a bug. ``service.api.errors`` maps each class to an HTTP status in o
     │   ├── MetadataError            a KV pair is invalid (duplicate key, type, alignment)
     │   ├── TensorInfoError          a tensor info is invalid (name, n_dims, ne, type, offset)
     │   ├── TensorBoundsError        a tensor's data lies outside its file
+    │   ├── HeaderTooLargeError      the header is larger than a service allows
     │   └── InvalidDataError         tensor data holds NaN/Inf values or scales (check-tensors)
     ├── SplitError                   split files that do not form one model
     ├── ByteOrderError               big-endian tensor data on a little-endian host
@@ -141,6 +142,13 @@ class TensorBoundsError(FormatError):
     """A tensor's data ``[offset, offset + nbytes)`` does not lie inside its file."""
 
     code = "tensor_out_of_bounds"
+
+
+class HeaderTooLargeError(FormatError):
+    """The header (metadata and tensor infos) is larger than the limit a service sets on
+    the memory one file's header may take."""
+
+    code = "header_too_large"
 
 
 class InvalidDataError(FormatError):

@@ -64,10 +64,11 @@ def _serve(settings: object) -> Iterator[str]:
     import uvicorn
 
     from service.api.app import create_app
+    from service.api.server import server_config
 
     app = create_app(settings)  # type: ignore[arg-type]
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", log_level="warning"))
+    server = uvicorn.Server(server_config(app, settings, host="127.0.0.1", port=port, log_level="warning"))  # type: ignore[arg-type]
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -11,8 +11,24 @@ from service.errors import BudgetExceededError
 from service.io.meter import HOST_MEMORY
 from service.loader.devices import Device
 from service.loader.placement import Plan
+from service.loader.weights import WeightIndex
 
 MiB = 1 << 20
+
+
+METADATA_PER_TENSOR = 4096
+"""Host bytes counted for each tensor's metadata (its info, weight, placement, loaded
+view and their Python objects; measured at 1.2 to 4 KiB, allocator slack included)."""
+
+METADATA_PER_FILE = 64 << 10
+"""Host bytes counted for each file of a model (its mapping, descriptors, buffers)."""
+
+
+def metadata_nbytes(index: WeightIndex) -> int:
+    """Host bytes a model's metadata takes while it is queued, loading or resident: its
+    headers (kept, arrays as bytes) twice over, and per tensor and per file figures."""
+    headers = sum(f.data_offset for f in index.files)
+    return 2 * headers + METADATA_PER_TENSOR * len(index) + METADATA_PER_FILE * len(index.files)
 
 
 def plan_needs(p: Plan, staging: int = 0) -> dict[str, int]:
@@ -59,6 +75,7 @@ class Reservations:
     def __init__(self, devices: Sequence[Device]) -> None:
         self.devices = {d.name: d for d in devices}
         self.owners: dict[str, dict[str, int]] = {}
+        self.metadata: dict[str, int] = {}
 
     def reserved(self, memory: str, *, excluding: str | None = None) -> tuple[int, int]:
         """Bytes reserved in ``memory`` and by how many owners (``excluding`` one)."""
@@ -95,8 +112,10 @@ class Reservations:
                 out.append(Shortfall(memory, needed, available, free, reserved, holders))
         return out
 
-    def reserve(self, owner: str, needs: dict[str, int], *, model: str | None = None) -> None:
-        """Reserve ``needs`` (bytes per memory) for ``owner``, replacing what it had.
+    def reserve(self, owner: str, needs: dict[str, int], *, model: str | None = None, metadata: int = 0) -> None:
+        """Reserve ``needs`` (bytes per memory) for ``owner``, replacing what it had, and
+        ``metadata`` more host bytes that the owner holds already (its parsed model),
+        which count as held by hoist until :meth:`release`.
 
         Raises:
             BudgetExceededError: some memory cannot hold it beside the other owners'
@@ -111,12 +130,20 @@ class Reservations:
                 hint="unload a model, wait for loads to finish, offload fewer layers (-ngl) or change --tensor-split",
             )
         self.owners[owner] = dict(needs)
+        if metadata:
+            self.owners[owner]["CPU"] = self.owners[owner].get("CPU", 0) + metadata
+            self.metadata[owner] = self.metadata.get(owner, 0) + metadata
+            HOST_MEMORY.add(metadata)
 
     def replace(self, owner: str, needs: dict[str, int]) -> None:
-        """Set ``owner``'s reservation to ``needs`` without checking (for a reservation
-        that shrinks, as when a load ends and its staging buffers are freed)."""
+        """Set ``owner``'s reservation to ``needs`` (and its metadata) without checking,
+        for a reservation that shrinks, as when a load ends and its staging buffers are
+        freed."""
         self.owners[owner] = dict(needs)
+        if self.metadata.get(owner):
+            self.owners[owner]["CPU"] = self.owners[owner].get("CPU", 0) + self.metadata[owner]
 
     def release(self, owner: str) -> None:
-        """Drop ``owner``'s reservation (if any)."""
+        """Drop ``owner``'s reservation (if any) and its metadata."""
         self.owners.pop(owner, None)
+        HOST_MEMORY.add(-self.metadata.pop(owner, 0))

@@ -17,6 +17,7 @@ from service.api.limits import BodyLimit
 from service.api.routes import devices, health, loads, models, plans
 from service.api.settings import Settings
 from service.loader.devices import discover_devices
+from service.loader.gguf import HeaderLimits
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ def limits_from(settings: Settings) -> Limits:
         request_timeout_s=settings.request_timeout_s,
         override_budget_s=settings.override_budget_s,
         file_check_interval_s=settings.file_check_interval_s,
+        header_limits=HeaderLimits(settings.max_gguf_header_bytes, settings.max_kv_pairs, settings.max_tensors),
     )
 
 

@@ -23,12 +23,13 @@ from typing import Any
 
 import aiofiles.os
 
-from service.api.admission import Reservations, plan_needs
+from service.api.admission import Reservations, metadata_nbytes, plan_needs
 from service.api.errors import public_error
 from service.api.offload import Offloader, Watch
 from service.cancel import CancelToken
 from service.errors import BusyError, ConflictError, HoistError, ModelPathError, NotFoundError, RequestError, clip
 from service.loader.devices import Device
+from service.loader.gguf import HeaderLimits
 from service.loader.model import LoadedModel, MemoryReport
 from service.loader.pipeline import LoadOptions, Progress, check_loadable, load_plan, staging_nbytes
 from service.loader.placement import PlacementParams, Plan, make_params, plan
@@ -150,6 +151,7 @@ class Limits:
     request_timeout_s: float = 30.0
     override_budget_s: float = 1.0
     file_check_interval_s: float = 2.0
+    header_limits: HeaderLimits = field(default_factory=HeaderLimits)
 
 
 MAX_MODEL_PATH = 4096
@@ -246,7 +248,7 @@ class JobManager:
         path = await resolve_model_path(self.models_dir, model)
 
         def work(token: CancelToken) -> tuple[WeightIndex, PlacementParams, Plan]:
-            index = open_model(path, root=self.models_dir, cancel=token)
+            index = open_model(path, root=self.models_dir, cancel=token, limits=self.limits.header_limits)
             params = self.params(flags)
             placement = plan(index, self.devices, params, cancel=token, match_budget_s=self.limits.override_budget_s)
             return index, params, placement
@@ -301,7 +303,7 @@ class JobManager:
             warnings=list(placement.warnings),
         )
         needs = plan_needs(placement, staging_nbytes(placement, self.devices, options))
-        self.reservations.reserve(job.id, needs, model=model)
+        self.reservations.reserve(job.id, needs, model=model, metadata=metadata_nbytes(index))
         self.jobs[job.id] = job
         job.task = asyncio.create_task(self._run(job, index), name=f"load {job.id}")
         job.task.add_done_callback(lambda _: self._finished(job))
@@ -426,7 +428,8 @@ class JobManager:
                 logger.exception("checking the files of resident models failed")
 
     async def close(self) -> None:
-        """Cancel every job, wait for them, and release every model."""
+        """Stop request work, cancel every job, wait for them, and release every model."""
+        self.offloader.close()
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -437,4 +440,3 @@ class JobManager:
         await asyncio.gather(*tasks, return_exceptions=True)
         for model_id in list(self.models):
             self.unload(model_id)
-        self.offloader.close()

@@ -36,6 +36,7 @@ class Offloader:
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hoist-request")
         self._pending = 0
+        self._tokens: set[CancelToken] = set()
 
     @property
     def pending(self) -> int:
@@ -64,6 +65,7 @@ class Offloader:
             return fn(token)
 
         self._pending += 1
+        self._tokens.add(token)
         future = loop.run_in_executor(self._pool, body)
         watcher = asyncio.ensure_future(watch()) if watch is not None else None
         try:
@@ -81,9 +83,13 @@ class Offloader:
             raise
         finally:
             self._pending -= 1
+            self._tokens.discard(token)
             if watcher is not None:
                 watcher.cancel()
 
     def close(self) -> None:
-        """Stop the threads once their work ends (work still queued is dropped)."""
+        """Tell the work in progress to stop (at its next check), drop the work still
+        queued, and let the threads end."""
+        for token in list(self._tokens):
+            token.cancel("the service is shutting down")
         self._pool.shutdown(wait=False, cancel_futures=True)

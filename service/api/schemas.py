@@ -184,11 +184,14 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         400: "Invalid flags or path.",
         401: "A bearer token is required (when the service has one).",
         404: "No such job, model or model file.",
+        408: "The request was not received in time.",
         409: "Conflicts with the state of the target, or does not fit the devices' memory.",
         413: "The request body is too large.",
         422: "Invalid request body, or a file that is not valid GGUF or cannot be loaded.",
         429: "Too many loads queued or requests waiting (see Retry-After).",
+        431: "The request line and headers are too large.",
         500: "Internal error.",
+        503: "Too many connections are open (see Retry-After).",
         507: "The server ran out of memory.",
     }
     return {
@@ -197,7 +200,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-COMMON_PROBLEMS = problem_responses(401, 413, 500, 507)
+COMMON_PROBLEMS = problem_responses(401, 408, 413, 431, 500, 503, 507)
 
 
 class Health(BaseModel):

@@ -68,8 +68,27 @@ class Settings(BaseSettings):
     """Largest request body, in bytes; beyond, 413 (``HOIST_MAX_BODY_BYTES``)."""
 
     max_connections: int = Field(default=1024, ge=1, le=1_000_000)
-    """Open connections (and requests) at once; beyond, uvicorn answers a plain ``503``
-    itself, before the application sees the request (``HOIST_MAX_CONNECTIONS``)."""
+    """Open connections at once; one more is answered 503 and closed
+    (``HOIST_MAX_CONNECTIONS``)."""
+
+    max_request_head_bytes: int = Field(default=64 << 10, ge=4096, le=16 << 20)
+    """Largest request line and headers, in bytes; beyond, 431
+    (``HOIST_MAX_REQUEST_HEAD_BYTES``)."""
+
+    request_read_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    """Time to receive a whole request once it begins (and the first one once a
+    connection opens), in seconds; beyond, 408 and the connection is closed
+    (``HOIST_REQUEST_READ_TIMEOUT_S``)."""
+
+    max_gguf_header_bytes: int = Field(default=256 << 20, ge=1 << 20, le=1 << 40)
+    """Largest GGUF header (metadata and tensor infos, all splits together) a request may
+    make the service read, in bytes; beyond, 422 (``HOIST_MAX_GGUF_HEADER_BYTES``)."""
+
+    max_tensors: int = Field(default=65536, ge=1, le=1 << 30)
+    """Most tensors in a model (all splits together); beyond, 422 (``HOIST_MAX_TENSORS``)."""
+
+    max_kv_pairs: int = Field(default=65536, ge=1, le=1 << 30)
+    """Most KV pairs in a GGUF file; beyond, 422 (``HOIST_MAX_KV_PAIRS``)."""
 
     file_check_interval_s: float = Field(default=2.0, ge=0, le=3600)
     """How often the files of resident models with mapped tensors are checked; a model

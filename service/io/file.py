@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from service.errors import StorageError
+from service.errors import RequestError, StorageError
 
 
 def open_readonly(path: str) -> int:
@@ -30,6 +30,23 @@ def open_readonly(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def check_inside(fd: int, root: str, path: str) -> None:
+    """Raise unless the file open as ``fd`` lies inside the directory ``root`` (as the
+    kernel resolved it when opening: a symbolic link swapped between a check of the path
+    and the open cannot lead outside).
+
+    Raises:
+        RequestError: the opened file is outside ``root``.
+    """
+    real_root = os.path.realpath(root)
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as exc:
+        raise StorageError(f"cannot tell where the opened file lies: {exc.strerror}", path=path) from exc
+    if not opened.startswith("/") or os.path.commonpath([real_root, opened]) != real_root:
+        raise RequestError(f"'{path}' resolves outside the models directory", path=path)
 
 
 def pread_into(fd: int, dest: memoryview, offset: int, *, path: str, tensor: str | None = None) -> None:

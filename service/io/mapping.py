@@ -83,7 +83,6 @@ class Mapping:
     def __init__(self, path: str, *, sequential: bool = True) -> None:
         self.path = path
         fd = open_readonly(path)
-        self._fd: int | None = fd
         try:
             st = os.fstat(fd)
             self.size = st.st_size
@@ -96,10 +95,8 @@ class Mapping:
                 self.addr = libc.mmap(self.size, _mmap_mod.PROT_READ, _mmap_mod.MAP_SHARED, fd)
             except OSError as exc:
                 raise StorageError(f"cannot map the file: {exc.strerror}", path=path) from exc
-        except BaseException:
+        finally:
             os.close(fd)
-            raise
-        # the descriptor stays open while anything is mapped, to tell if the file changes
         self.fragments: list[tuple[int, int]] = [(0, self.size)]
         self._lock = threading.Lock()
 
@@ -107,24 +104,25 @@ class Mapping:
         """How the mapped file changed since it was mapped (size or modification time),
         or None while it is unchanged or nothing is mapped any more. A mapped file that
         shrinks turns reads of the pages past its new end into SIGBUS; one rewritten in
-        place changes what the mapped tensors hold."""
-        fd = self._fd
-        if fd is None:
+        place changes what the mapped tensors hold.
+
+        The file is found by its path (no descriptor is kept open for it): when the path
+        names another file now (replaced, or deleted), the mapping keeps the original,
+        which nothing can truncate through that path any more, and None is returned.
+        """
+        if not self.fragments:
             return None
         try:
-            st = os.fstat(fd)
-        except OSError as exc:
-            return f"cannot be checked: {exc.strerror}"
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        if (st.st_dev, st.st_ino) != self.identity[:2]:
+            return None
         if st.st_size != self.identity[2]:
             return f"its size changed from {self.identity[2]} to {st.st_size} bytes"
         if st.st_mtime_ns != self.identity[3]:
             return "it was modified"
         return None
-
-    def _close_fd(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
 
     @property
     def closed(self) -> bool:
@@ -224,8 +222,6 @@ class Mapping:
                 if hi > lo:
                     libc.munmap(self.addr + lo, hi - lo)
             self.fragments = subtract_fragment(self.fragments, first, last)
-            if not self.fragments:
-                self._close_fd()
 
     def close(self) -> None:
         """Unmap everything still mapped. Idempotent."""
@@ -233,7 +229,6 @@ class Mapping:
             for start, end in self.fragments:
                 libc.munmap(self.addr + start, align_up(end, PAGE_SIZE) - start)
             self.fragments = []
-            self._close_fd()
 
     def __enter__(self) -> Mapping:
         return self

@@ -11,7 +11,7 @@ from functools import cached_property
 
 from service.cancel import CancelToken, check
 from service.errors import SplitError, TensorBoundsError
-from service.loader.gguf import GGUFFile, TensorInfo, read_gguf
+from service.loader.gguf import GGUFFile, HeaderLimits, TensorInfo, read_gguf
 
 KEY_SPLIT_NO = "split.no"
 KEY_SPLIT_COUNT = "split.count"
@@ -186,12 +186,39 @@ def _inside(root: str, path: str) -> bool:
     return os.path.commonpath([root, real]) == root
 
 
+class _Budget:
+    """What the header limits leave for the remaining splits of a model."""
+
+    def __init__(self, limits: HeaderLimits | None, first: GGUFFile) -> None:
+        self.limits = limits
+        self.nbytes = first.data_offset
+        self.tensors = len(first.tensors)
+
+    def remaining(self) -> HeaderLimits | None:
+        if self.limits is None:
+            return None
+        lim = self.limits
+        return HeaderLimits(
+            None if lim.max_bytes is None else max(lim.max_bytes - self.nbytes, 0),
+            lim.max_kv,
+            None if lim.max_tensors is None else max(lim.max_tensors - self.tensors, 0),
+        )
+
+    def spend(self, gguf_file: GGUFFile) -> None:
+        self.nbytes += gguf_file.data_offset
+        self.tensors += len(gguf_file.tensors)
+
+
 MAX_SPLITS = 65535
 """Most splits a model may have (``split.count`` is a u16 in llama.cpp)."""
 
 
 def open_model(
-    path: str | os.PathLike[str], *, root: str | None = None, cancel: CancelToken | None = None
+    path: str | os.PathLike[str],
+    *,
+    root: str | None = None,
+    cancel: CancelToken | None = None,
+    limits: HeaderLimits | None = None,
 ) -> WeightIndex:
     """Parse the GGUF model at ``path`` (a single file, or the first split of a split
     model) and index its tensors.
@@ -203,9 +230,11 @@ def open_model(
 
     Args:
         path: the model file, or its first split.
-        root: when given, every split must resolve inside this directory; siblings are
-            checked before they are opened.
+        root: when given, every split must resolve inside this directory, as named and
+            as opened (a symbolic link swapped in between cannot lead outside).
         cancel: checked while headers are parsed and between splits.
+        limits: bounds on each file's header; ``max_tensors`` also bounds the tensors of
+            all splits together, and ``max_bytes`` their headers together.
 
     Returns:
         The :class:`WeightIndex`.
@@ -217,9 +246,12 @@ def open_model(
             or of another byte order, a tensor in two splits, or a tensor count other than
             ``split.tensors.count``, or more than :data:`MAX_SPLITS` splits.
         RequestAbandonedError, WorkLimitError: from ``cancel``.
+        RequestError: the first file, as opened, lies outside ``root``.
+        HeaderTooLargeError: a header, or the headers together, over ``limits``.
     """
     name = os.fspath(path)
-    first = read_gguf(name, cancel=cancel)
+    first = read_gguf(name, cancel=cancel, root=root, limits=limits)
+    budget = _Budget(limits, first)
     n_split = _split_int(first, KEY_SPLIT_COUNT) or 0
     if n_split <= 1:
         return WeightIndex([first])
@@ -252,7 +284,8 @@ def open_model(
             raise SplitError(f"split {i + 1} of {n_split} is missing: {sibling} does not exist", path=name)
         if real_root is not None and not _inside(real_root, sibling):
             raise SplitError(f"split {i + 1} of {n_split} leaves the models directory", path=sibling)
-        gguf_file = read_gguf(sibling, cancel=cancel)
+        gguf_file = read_gguf(sibling, cancel=cancel, root=root, limits=budget.remaining())
+        budget.spend(gguf_file)
         found_no = _required_split_int(gguf_file, KEY_SPLIT_NO)
         if found_no != i:
             raise SplitError(

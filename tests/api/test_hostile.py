@@ -278,10 +278,20 @@ def _many_kv_model(path: Path, n: int) -> Path:
     return path
 
 
+def _slow_header_model(path: Path, n_strings: int = 3_000_000) -> Path:
+    """A valid header within every limit that still takes a while to read: one array of
+    many empty strings (each walked to find the next)."""
+    payload = struct.pack("<IQ", V.STRING, n_strings) + struct.pack("<Q", 0) * n_strings
+    kvs = [_arch_kv(), gguf_kv("tokenizer.ggml.tokens", V.ARRAY, payload)]
+    name, data = _f32_tensor("w")
+    path.write_bytes(raw_gguf(kvs, [name], data))
+    return path
+
+
 def test_a_slow_header_does_not_hold_up_other_plans(live_server: str, models_dir: Path) -> None:
     import threading
 
-    _many_kv_model(models_dir / "slow.gguf", 300_000)
+    _slow_header_model(models_dir / "slow.gguf")
     _many_kv_model(models_dir / "fast.gguf", 1)
     finished: list[str] = []
 
@@ -315,7 +325,7 @@ def test_an_abandoned_request_stops_its_work(
     seen: dict[str, Any] = {}
     stopped = threading.Event()
 
-    def endless(path: str, *, root: str | None = None, cancel: CancelToken | None = None) -> Any:
+    def endless(path: str, *, cancel: CancelToken | None = None, **kwargs: Any) -> Any:
         assert cancel is not None
         try:
             while True:  # a header that takes forever, checking its token as the reader does
@@ -325,7 +335,7 @@ def test_an_abandoned_request_stops_its_work(
             seen["error"] = exc
             stopped.set()
             raise
-        return real_open(path, root=root, cancel=cancel)
+        return real_open(path, cancel=cancel, **kwargs)
 
     monkeypatch.setattr(jobs_module, "open_model", endless)
     with httpx.Client(base_url=live_server) as client, pytest.raises(httpx.ReadTimeout):
@@ -335,7 +345,7 @@ def test_an_abandoned_request_stops_its_work(
 
 
 def test_the_request_time_limit(hoist_serve: Any, models_dir: Path) -> None:
-    _many_kv_model(models_dir / "slow.gguf", 300_000)
+    _slow_header_model(models_dir / "slow.gguf")
     server: ServeProcess = hoist_serve(HOIST_REQUEST_TIMEOUT_S="0.2")
     with httpx.Client(base_url=server.url, timeout=60) as client:
         body = is_problem(client.post("/v1/plans", json={"model": "slow.gguf"}), 422, "work_limit_exceeded")

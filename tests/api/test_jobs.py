@@ -85,3 +85,43 @@ async def test_job_history_is_bounded(tmp_path: Path) -> None:
         assert job.id in jobs.jobs
     finally:
         await jobs.close()
+
+
+async def test_a_failed_load_frees_its_memory_without_a_garbage_collection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from service.io import direct
+    from service.io.meter import HOST_MEMORY
+
+    models = tmp_path / "models"
+    models.mkdir()
+    f32 = gguf.GGMLQuantizationType.F32
+    tensors = {f"blk.0.w{i}": (np.ones(2 << 20, dtype=np.float32), f32) for i in range(4)}  # 4 x 8 MiB
+    path = write_fixture(models / "big.gguf", tensors=tensors).path
+    real = direct.pread_into
+
+    def read_then_shrink(fd, dest, offset, *, path, tensor=None):  # type: ignore[no-untyped-def]
+        real(fd, dest, offset, path=path, tensor=tensor)
+        os.truncate(path, offset)  # the next read comes up short
+
+    monkeypatch.setattr(direct, "pread_into", read_then_shrink)
+    jobs = JobManager(str(models), [CPUDevice()])
+    gc.collect()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        job = await jobs.submit(path.name, {"load_mode": "none"})
+        while not job.state.terminal:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
+        assert job.state is JobState.FAILED and job.error is not None
+        assert job.error["code"] == "storage_error"
+        # the 32 MiB buffer is gone, with no collection of reference cycles
+        assert tracemalloc.get_traced_memory()[0] < 8 << 20
+        assert HOST_MEMORY.nbytes == 0
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+        await jobs.close()

@@ -29,6 +29,7 @@ from gguf import GGUFValueType
 from service.cancel import CancelToken, check
 from service.errors import (
     FormatError,
+    HeaderTooLargeError,
     MetadataError,
     NotGGUFError,
     StorageError,
@@ -37,7 +38,7 @@ from service.errors import (
     UnsupportedVersionError,
 )
 from service.io.align import align_up
-from service.io.file import open_readonly
+from service.io.file import check_inside, open_readonly
 from service.loader.ggml_types import GGML_TYPES, GGMLType
 from service.loader.gguf.constants import (
     DEFAULT_ALIGNMENT,
@@ -152,7 +153,13 @@ class GGUFFile:
         return self._by_name[name]
 
 
-def read_gguf(path: str | os.PathLike[str], *, cancel: CancelToken | None = None) -> GGUFFile:
+def read_gguf(
+    path: str | os.PathLike[str],
+    *,
+    cancel: CancelToken | None = None,
+    root: str | None = None,
+    limits: HeaderLimits | None = None,
+) -> GGUFFile:
     """Parse the header, KV metadata and tensor infos of the GGUF file at ``path``.
 
     Ports ``gguf_init_from_file`` (llama.cpp ``ggml/src/gguf.cpp``) with ``no_alloc``:
@@ -163,6 +170,10 @@ def read_gguf(path: str | os.PathLike[str], *, cancel: CancelToken | None = None
         path: the file to read.
         cancel: checked every few thousand KV pairs, tensor infos and array strings, so
             that a huge header can be abandoned.
+        root: when given, the file as opened must lie inside this directory.
+        limits: when given, bounds on the header's size and counts, so that the memory
+            and time a header can take are bounded (a service sets them; llama.cpp has
+            none beyond ``gguf.cpp``'s).
 
     Returns:
         The parsed :class:`GGUFFile`.
@@ -172,10 +183,14 @@ def read_gguf(path: str | os.PathLike[str], *, cancel: CancelToken | None = None
         FormatError: (a subclass of) the file is not valid GGUF; the message names the
             file, the key or tensor, and the byte offset.
         RequestAbandonedError, WorkLimitError: from ``cancel``.
+        RequestError: the file lies outside ``root``.
+        HeaderTooLargeError: the header is over one of ``limits``.
     """
     name = os.fspath(path)
     fd = open_readonly(name)
     try:
+        if root is not None:
+            check_inside(fd, root, name)
         st = os.fstat(fd)
         size = st.st_size
         if size < HEADER_NBYTES:
@@ -188,7 +203,7 @@ def read_gguf(path: str | os.PathLike[str], *, cancel: CancelToken | None = None
                 f"file too small to be GGUF: {size} bytes, a GGUF header has {HEADER_NBYTES}",
                 path=name,
             )
-        parsed = _Parser(fd, size, name, cancel).parse()
+        parsed = _Parser(fd, size, name, cancel, limits or HeaderLimits()).parse()
         return replace(parsed, identity=file_identity(st))
     finally:
         os.close(fd)
@@ -198,6 +213,21 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
     """(device, inode, size, mtime in ns): what changes when a file is replaced or
     rewritten."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderLimits:
+    """Bounds on one file's header, beyond ``gguf.cpp``'s own (None: no bound).
+
+    Attributes:
+        max_bytes: header bytes (everything before the data section) read at most.
+        max_kv: KV pairs at most.
+        max_tensors: tensor infos at most.
+    """
+
+    max_bytes: int | None = None
+    max_kv: int | None = None
+    max_tensors: int | None = None
 
 
 _LFS_PREFIX = b"version https://git-lfs"
@@ -239,8 +269,12 @@ class _Parser:
     twice the header's size.
     """
 
-    def __init__(self, fd: int, size: int, path: str, cancel: CancelToken | None = None) -> None:
+    def __init__(
+        self, fd: int, size: int, path: str, cancel: CancelToken | None = None, limits: HeaderLimits | None = None
+    ) -> None:
         self.cancel = cancel
+        self.limits = limits or HeaderLimits()
+        self.limit = self.limits.max_bytes
         self.fd = fd
         self.size = size
         self.path = path
@@ -252,11 +286,23 @@ class _Parser:
     # -- primitives ---------------------------------------------------------------------
 
     def _fill(self, end: int) -> None:
-        """Make ``self.data`` hold at least bytes ``[0, end)`` (``end`` <= size)."""
+        """Make ``self.data`` hold at least bytes ``[0, end)`` (``end`` <= size).
+
+        Raises:
+            HeaderTooLargeError: ``end`` is past the header limit.
+        """
         have = len(self.data)
         if end <= have:
             return
+        if self.limit is not None and end > self.limit:
+            raise HeaderTooLargeError(
+                f"the header is larger than the limit of {self.limit} bytes (reading byte {end})",
+                path=self.path,
+                offset=have,
+            )
         want = min(self.size, max(end, 2 * have, _FIRST_READ))
+        if self.limit is not None:
+            want = min(want, self.limit)
         while have < want:
             try:
                 chunk = os.pread(self.fd, want - have, have)
@@ -387,6 +433,15 @@ class _Parser:
                     " (truncated or corrupt)",
                     path=self.path,
                     offset=at,
+                )
+
+        for count, limit, what, at in (
+            (n_kv, self.limits.max_kv, "KV pairs", 16),
+            (n_tensors, self.limits.max_tensors, "tensor infos", 8),
+        ):
+            if limit is not None and count > limit:
+                raise HeaderTooLargeError(
+                    f"the header declares {count} {what}, more than the limit of {limit}", path=self.path, offset=at
                 )
 
         kv: dict[str, KVEntry] = {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -284,8 +285,13 @@ async def _run_worker(
             if not cancel.is_set():
                 worker.run()
         except BaseException as exc:  # handed to the awaiting task
+            # the frames of the traceback hold views of the load's buffers: drop their
+            # locals now, so that the buffers go when they are freed, not when a garbage
+            # collection happens to break the traceback's reference cycles
+            _clear_frames(exc)
             error = exc
         loop.call_soon_threadsafe(finish, error)
+        error = None
 
     if on_progress is not None and on_progress(Progress(0, total)) is False:
         raise LoadCancelledError("the load was cancelled by its progress callback before it started")
@@ -309,6 +315,20 @@ async def _run_worker(
     if state["by_callback"]:
         raise LoadCancelledError("the load was cancelled by its progress callback")
     return worker.stats, dict(worker.invalid)
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in the tracebacks of ``exc`` and of the
+    exceptions it was raised from or during."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 def _finish_load(

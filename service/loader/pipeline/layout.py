@@ -33,6 +33,7 @@ from service.io.meter import HOST_MEMORY
 from service.io.mlock import MemoryLock
 from service.loader.devices import Device, DeviceBuffer
 from service.loader.placement import LoadMode, Plan, TensorPlacement
+from service.loader.placement.buffers import host_layout
 from service.loader.weights import WeightIndex
 
 Branch = Literal["mapped", "lazy", "copy", "read", "staged", "sync"]
@@ -56,6 +57,8 @@ class TensorJob:
         dest_offset: its offset in ``dest``.
         device: the device uploading it (staged branch).
         lock: the mapping's lock that grows over it (``mmap+mlock``, mapped branch).
+        in_place: its run has the slack around it that direct reads of the run's aligned
+            superset need to land in place (read branch, direct I/O).
     """
 
     index: int
@@ -71,6 +74,7 @@ class TensorJob:
     dest_offset: int = 0
     device: Device | None = None
     lock: MemoryLock | None = None
+    in_place: bool = False
 
 
 class Resources:
@@ -125,6 +129,8 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
         StorageError: a file cannot be mapped, or changed since it was parsed.
     """
     by_name = {d.name: d for d in devices}
+    direct = p.load_mode is LoadMode.DIRECT_IO
+    in_place: set[int] = set()
     lock_host = p.load_mode is LoadMode.MLOCK
     lock_mapped = p.load_mode is LoadMode.MMAP_MLOCK
     dest_of: dict[int, tuple[DeviceBuffer, int, Device]] = {}
@@ -134,11 +140,13 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
         dev = by_name[b.device]
         buft = next(bt for bt in dev.buffer_types() if bt.name == b.buffer_type)
         if buft.is_host and len(b.chunks) == 1:
-            offsets, size = host_layout([p.tensors[i] for i in b.tensors], buft.alignment)
-            buf = dev.alloc(buft, size)
+            layout = host_layout([p.tensors[i] for i in b.tensors], buft.alignment, direct=direct)
+            buf = dev.alloc(buft, layout.nbytes)
             res.buffers.append(buf)
-            for i, off in zip(b.tensors, offsets, strict=True):
+            for i, off, slack in zip(b.tensors, layout.offsets, layout.slack, strict=True):
                 dest_of[i] = (buf, off, dev)
+                if slack:
+                    in_place.add(i)
             continue
         chunks = iter(b.chunks)
         buf = dev.alloc(buft, next(chunks))
@@ -198,45 +206,13 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
             if p.use_mmap:
                 job = replace(placed, branch="copy")
             elif buf.buffer_type.is_host:
-                job = replace(placed, branch="read", mapping=None)
+                job = replace(placed, branch="read", mapping=None, in_place=i in in_place)
             elif dev.can_stage and buf.buffer_type is dev.default_buffer_type:
                 job = replace(placed, branch="staged", mapping=None, device=dev)
             else:
                 job = replace(placed, branch="sync", mapping=None, device=dev)
         res.jobs.append(job)
     res.jobs = order_jobs(res.jobs, p)
-
-
-RUN_ALIGNMENT = 4096
-"""Alignment that host-buffer runs keep with the file (direct I/O block size)."""
-
-
-def host_layout(tensors: Sequence[TensorPlacement], alignment: int) -> tuple[list[int], int]:
-    """Offsets of ``tensors`` (in file order) in a host buffer, and the bytes to allocate.
-
-    Tensors that follow each other in the file as they would in the buffer (same gap,
-    the padding to ``alignment``) form a run, read with one call. Each run starts at an
-    offset congruent to its file offset modulo :data:`RUN_ALIGNMENT`, with at least that
-    much free space before it and after the last one, so that direct reads of a run's
-    aligned superset can go straight into the buffer without touching another run.
-    The buffer's size in the memory report stays llama.cpp's (tensors padded to
-    ``alignment``); only the allocation holds this slack.
-    """
-    a = RUN_ALIGNMENT
-    offsets: list[int] = []
-    pos = 0
-    prev: TensorPlacement | None = None
-    prev_pos = 0
-    for t in tensors:
-        follow = prev_pos + align_up(prev.nbytes, alignment) if prev is not None else 0
-        if prev is not None and t.file_index == prev.file_index and t.offset - prev.offset == follow - prev_pos:
-            pos = follow
-        else:
-            pos = follow + a + (t.offset - follow - a) % a
-        offsets.append(pos)
-        prev, prev_pos = t, pos
-    end = prev_pos + align_up(prev.nbytes, alignment) if prev is not None else 0
-    return offsets, end + a
 
 
 def order_jobs(jobs: list[TensorJob], p: Plan) -> list[TensorJob]:

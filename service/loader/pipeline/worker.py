@@ -26,8 +26,9 @@ from service.io.file import open_readonly
 from service.io.staging import FutureWaitable, PoolStats, StagingPool
 from service.loader.devices import Device, DeviceBuffer, Stream
 from service.loader.ggml_types import GGML_TYPES_BY_NAME
-from service.loader.pipeline.layout import RUN_ALIGNMENT, TensorJob, check_identity
+from service.loader.pipeline.layout import TensorJob, check_identity
 from service.loader.pipeline.options import LoadOptions
+from service.loader.placement.buffers import RUN_ALIGNMENT
 from service.loader.validate import InvalidData, validate_row_data
 
 _MIN_STAGING_PAYLOAD = 4096
@@ -73,7 +74,7 @@ def runs(jobs: Sequence[TensorJob]) -> list[list[TensorJob]]:
                 if 0 <= job.offset - (prev.offset + prev.nbytes) < RUN_ALIGNMENT:
                     out[-1].append(job)
                     continue
-            if same and job.branch == "read" and prev.dest is job.dest:
+            if same and job.branch == "read" and prev.dest is job.dest and prev.in_place == job.in_place:
                 if job.offset - prev.offset == job.dest_offset - prev.dest_offset > 0:
                     out[-1].append(job)
                     continue
@@ -364,7 +365,7 @@ class Worker:
             if self.cancel.is_set():
                 return
             a = f.alignment
-            if a > 1 and a <= RUN_ALIGNMENT:
+            if first.in_place and 1 < a <= RUN_ALIGNMENT:
                 read_from = align_down(pos, a)
                 n = min(align_up(self.options.direct_chunk_nbytes, a), align_up(end, a) - read_from)
                 dest = first.dest.view(first.dest_offset + (read_from - begin), n)

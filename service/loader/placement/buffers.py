@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from service.cancel import CancelToken, check
 from service.errors import PlacementError
 from service.io.align import align_up
 from service.loader.devices import MAPPED_BUFFER_NAME, BufferType, Device
@@ -73,6 +74,74 @@ class TensorPlacement:
         }
 
 
+RUN_ALIGNMENT = 4096
+"""Alignment that host-buffer runs keep with the file (direct I/O block size)."""
+
+DIRECT_RUN_MIN_NBYTES = 64 << 10
+"""With direct I/O, a run of at least this many bytes gets the slack that lets its aligned
+superset be read straight into the buffer; smaller runs are packed and go through the
+bounce buffer, so that many small tensors do not cost a page or two each."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostLayout:
+    """Where tensors lie in a host buffer.
+
+    Attributes:
+        offsets: each tensor's offset in the buffer, in bytes.
+        slack: each tensor's run has the room around it that direct reads need.
+        nbytes: bytes to allocate.
+    """
+
+    offsets: tuple[int, ...]
+    slack: tuple[bool, ...]
+    nbytes: int
+
+
+def host_layout(tensors: Sequence[TensorPlacement], alignment: int, *, direct: bool) -> HostLayout:
+    """Offsets of ``tensors`` (in file order) in a host buffer, and the bytes to allocate.
+
+    Tensors that follow each other in the file as they would in the buffer (same gap,
+    the padding to ``alignment``) form a run, read with one call. Without direct I/O the
+    tensors are packed as llama.cpp lays them out (each padded to ``alignment``): the
+    allocation is the buffer's size. With direct I/O, each run of at least
+    :data:`DIRECT_RUN_MIN_NBYTES` starts at an offset congruent to its file offset modulo
+    :data:`RUN_ALIGNMENT`, with that much free space before it and after the last one, so
+    that direct reads of its aligned superset go straight into the buffer without
+    touching another run; smaller runs are packed. The buffer's size in the memory report
+    stays llama.cpp's; only the allocation holds the slack.
+    """
+    a = RUN_ALIGNMENT
+    runs: list[list[TensorPlacement]] = []
+    for t in tensors:
+        if runs:
+            prev = runs[-1][-1]
+            if t.file_index == prev.file_index and t.offset - prev.offset == align_up(prev.nbytes, alignment):
+                runs[-1].append(t)
+                continue
+        runs.append([t])
+    offsets: list[int] = []
+    slack: list[bool] = []
+    pos = 0
+    spaced = False  # the previous run ends with slack after it
+    for run in runs:
+        size = sum(align_up(t.nbytes, alignment) for t in run)
+        roomy = direct and size >= DIRECT_RUN_MIN_NBYTES
+        if roomy:
+            start = pos + (0 if spaced else a)
+            start += (run[0].offset - start) % a
+        else:
+            start = pos
+        at = start
+        for t in run:
+            offsets.append(at)
+            slack.append(roomy)
+            at += align_up(t.nbytes, alignment)
+        pos = at + (a if roomy else 0)
+        spaced = roomy
+    return HostLayout(tuple(offsets), tuple(slack), pos)
+
+
 @dataclass(frozen=True, slots=True)
 class BufferPlan:
     """One model buffer.
@@ -92,6 +161,8 @@ class BufferPlan:
         tensors: indices into the plan's tensors of the tensors it holds.
         file_index: for a mapped buffer, the file; else None.
         file_range: for a mapped buffer, ``[start, end)`` in the file; else None.
+        alloc_nbytes: bytes its allocations take (host buffers read with direct I/O hold
+            slack around runs of tensors, see :func:`host_layout`); 0 for mapped buffers.
     """
 
     name: str
@@ -106,6 +177,7 @@ class BufferPlan:
     file_index: int | None = None
     file_range: Range | None = None
     lazy: bool = False
+    alloc_nbytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,6 +190,7 @@ class BufferPlan:
             "mib": round(self.nbytes / MiB, 2),
             "mapped": self.mapped,
             "host": self.host,
+            "alloc_bytes": self.alloc_nbytes,
             "chunks": list(self.chunks),
             "n_tensors": len(self.tensors),
             "file_index": self.file_index,
@@ -160,6 +233,8 @@ def build_buffers(
     bufts: dict[str, tuple[Device, BufferType]],
     *,
     use_mmap: bool,
+    direct: bool = False,
+    cancel: CancelToken | None = None,
 ) -> list[BufferPlan]:
     """The buffers of every context, in llama.cpp's order (contexts by (lazy, buffer type
     name); within a context, files in order and their ranges in order).
@@ -169,14 +244,18 @@ def build_buffers(
     ranges its tensors cover, minus the ranges of other contexts' tensors, merged
     (``get_mapping_ranges``): one ``CPU_Mapped`` buffer per range. Ranges separated only
     by the alignment padding after a tensor merge, since that padding belongs to no
-    tensor. Other contexts are allocated.
+    tensor. Other contexts are allocated. The work is linear in the tensors (and their
+    ranges), checking ``cancel`` per file of each context.
 
     Raises:
         PlacementError: a tensor larger than its device's largest allocation.
+        RequestAbandonedError, WorkLimitError: from ``cancel``.
     """
     members: dict[tuple[bool, str], list[int]] = {}
+    by_file: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         members.setdefault(t.context, []).append(i)
+        by_file.setdefault(t.file_index, []).append(i)
     buffers: list[BufferPlan] = []
     for key in sorted(members):
         lazy, name = key
@@ -188,26 +267,43 @@ def build_buffers(
         if not wraps:
             chunks, total = _chunks(buft, own_idx, tensors)
             held = tuple(own_idx)
+            alloc = total
+            if buft.is_host and len(chunks) == 1:
+                alloc = host_layout([tensors[i] for i in own_idx], buft.alignment, direct=direct).nbytes
             buffers.append(
-                BufferPlan(name, name, dev.name, memory, total, False, buft.is_host, chunks, held, lazy=lazy)
-            )
+                BufferPlan(
+                    name, name, dev.name, memory, total, False, buft.is_host, chunks, held, lazy=lazy,
+                    alloc_nbytes=alloc,
+                )
+            )  # fmt: skip
             continue
         own_names = {tensors[i].name for i in own_idx}
-        for file_index, gguf_file in enumerate(index.files):
-            own = [(tensors[i].offset, tensors[i].offset + tensors[i].nbytes) for i in own_idx]
-            own = [r for r, i in zip(own, own_idx, strict=True) if tensors[i].file_index == file_index and r[1] > r[0]]
+        own_by_file: dict[int, list[int]] = {}
+        for i in own_idx:  # in offset order within each file
+            own_by_file.setdefault(tensors[i].file_index, []).append(i)
+        for file_index in sorted(own_by_file):
+            check(cancel)
+            in_file = own_by_file[file_index]
+            own = [(tensors[i].offset, tensors[i].offset + tensors[i].nbytes) for i in in_file if tensors[i].nbytes]
             if not own:
                 continue
             other = [
                 (t.offset, t.offset + t.nbytes)
-                for t in tensors
-                if t.context != key and t.file_index == file_index and t.name not in own_names and t.nbytes
+                for t in (tensors[j] for j in by_file[file_index])
+                if t.context != key and t.name not in own_names and t.nbytes
             ]
-            ranges = subtract_ranges(merge_ranges(own, slack=gguf_file.alignment), merge_ranges(other, slack=1))
+            alignment = index.files[file_index].alignment
+            ranges = subtract_ranges(merge_ranges(own, slack=alignment), merge_ranges(other, slack=1))
+            # the ranges are disjoint and sorted, as the tensors are: one pass assigns them
+            p = 0
             for start, end in ranges:
-                held = tuple(
-                    i for i in own_idx if tensors[i].file_index == file_index and start <= tensors[i].offset < end
-                )
+                while p < len(in_file) and tensors[in_file[p]].offset < start:
+                    p += 1
+                q = p
+                while q < len(in_file) and tensors[in_file[q]].offset < end:
+                    q += 1
+                held = tuple(in_file[p:q])
+                p = q
                 buffers.append(
                     BufferPlan(
                         MAPPED_BUFFER_NAME,

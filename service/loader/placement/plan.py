@@ -399,11 +399,15 @@ def plan(
             )  # fmt: skip
             bufts[buft.name] = (dev, buft)
 
-    buffers = build_buffers(index, placed, bufts, use_mmap=use_mmap)
+    direct = params.load_mode is LoadMode.DIRECT_IO
+    buffers = build_buffers(index, placed, bufts, use_mmap=use_mmap, direct=direct, cancel=cancel)
     use: dict[str, list[int]] = {}
     for buf in buffers:
         entry = use.setdefault(buf.memory, [0, 0])
-        entry[1 if buf.mapped else 0] += buf.nbytes
+        if buf.mapped:
+            entry[1] += buf.nbytes
+        else:
+            entry[0] += buf.alloc_nbytes
     by_name = {d.name: d for d in devices}
     locks_mapping = params.load_mode is LoadMode.MMAP_MLOCK
     device_use = []
