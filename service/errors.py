@@ -19,7 +19,8 @@ escaping is a bug. ``service.api.errors`` maps each class to an HTTP status in o
     ├── ByteOrderError               big-endian tensor data on a little-endian host
     ├── StorageError                 the OS refused a file operation (open, read, mmap)
     ├── NotFoundError                no such job or loaded model
-    │   └── ModelPathError           a requested model file does not exist
+    │   ├── ModelPathError           a requested model file does not exist
+    │   └── GoneError                what was asked for is no longer kept
     ├── RequestError                 a request names an unknown option, or a path that
     │   │                            leaves the models directory
     │   ├── WorkLimitError           the request needs more work than one request may take
@@ -200,6 +201,12 @@ class ModelPathError(NotFoundError):
     """A requested model file does not exist."""
 
     code = "model_not_found"
+
+
+class GoneError(NotFoundError):
+    """What was asked for existed but is no longer kept (the plan of an ended job)."""
+
+    code = "gone"
 
 
 class RequestError(HoistError):

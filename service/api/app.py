@@ -33,6 +33,7 @@ def limits_from(settings: Settings) -> Limits:
         request_timeout_s=settings.request_timeout_s,
         override_budget_s=settings.override_budget_s,
         file_check_interval_s=settings.file_check_interval_s,
+        load_timeout_s=settings.load_timeout_s,
         header_limits=HeaderLimits(settings.max_gguf_header_bytes, settings.max_kv_pairs, settings.max_tensors),
     )
 

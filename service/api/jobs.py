@@ -24,10 +24,20 @@ from typing import Any
 import aiofiles.os
 
 from service.api.admission import Reservations, metadata_nbytes, plan_needs
+from service.api.encode import plan_json
 from service.api.errors import public_error
 from service.api.offload import Offloader, Watch
 from service.cancel import CancelToken
-from service.errors import BusyError, ConflictError, HoistError, ModelPathError, NotFoundError, RequestError, clip
+from service.errors import (
+    BusyError,
+    ConflictError,
+    GoneError,
+    HoistError,
+    ModelPathError,
+    NotFoundError,
+    RequestError,
+    clip,
+)
 from service.loader.devices import Device
 from service.loader.gguf import HeaderLimits
 from service.loader.model import LoadedModel, MemoryReport
@@ -63,6 +73,18 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """What a job shows of its plan; the whole plan is at ``/v1/loads/{id}/plan``."""
+    return {
+        "effective_load_mode": plan.effective_load_mode.value,
+        "n_layer": plan.n_layer,
+        "n_gpu_layers": plan.n_gpu_layers,
+        "devices": list(plan.devices),
+        "fits": plan.fits,
+        "lines": plan.lines(),
+    }
+
+
 @dataclass(eq=False)
 class LoadJob:
     """One load job.
@@ -72,7 +94,9 @@ class LoadJob:
         model: the model path as requested, relative to the models directory.
         path: the resolved file path.
         params: the placement flags.
-        plan: the placement, as planned when the job was submitted (and loaded).
+        plan: the placement, as planned when the job was submitted (and loaded); None once
+            the job ended and no model of it is resident (a plan can be large).
+        plan_summary: what the job shows of its plan (kept when the plan is dropped).
         state: the current :class:`JobState`.
         bytes_done: tensor bytes in memory so far.
         bytes_total: tensor bytes the load brings in.
@@ -87,7 +111,7 @@ class LoadJob:
     model: str
     path: str
     params: PlacementParams
-    plan: Plan
+    plan: Plan | None
     n_tensors: int
     bytes_total: int
     options: LoadOptions = field(default_factory=LoadOptions)
@@ -104,6 +128,13 @@ class LoadJob:
     version: int = 0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     view: Any = field(default=None, repr=False)
+    plan_summary: dict[str, Any] = field(default_factory=dict)
+    load_mode: str = ""
+
+    def __post_init__(self) -> None:
+        if self.plan is not None:
+            self.plan_summary = plan_summary(self.plan)
+            self.load_mode = self.plan.effective_load_mode.value
 
     def transition(self, new: JobState) -> None:
         """Move to ``new``. Raises RuntimeError naming the allowed states otherwise."""
@@ -117,11 +148,6 @@ class LoadJob:
             self.started_at = _now()
         elif new.terminal:
             self.finished_at = _now()
-
-    @property
-    def load_mode(self) -> str:
-        """The load mode in effect (``auto`` resolved by the plan)."""
-        return self.plan.effective_load_mode.value
 
     @property
     def progress(self) -> float:
@@ -152,6 +178,7 @@ class Limits:
     override_budget_s: float = 1.0
     file_check_interval_s: float = 2.0
     header_limits: HeaderLimits = field(default_factory=HeaderLimits)
+    load_timeout_s: float = 0.0
 
 
 MAX_MODEL_PATH = 4096
@@ -255,6 +282,38 @@ class JobManager:
 
         return await self.offloader.run(work, what=f"planning '{clip(model, 200)}'", watch=watch)
 
+    async def plan_json(
+        self, model: str, flags: dict[str, Any], *, tensors: bool = True, watch: Watch | None = None
+    ) -> bytes:
+        """:meth:`plan_model` and the plan encoded as JSON (:func:`~service.api.encode.plan_json`),
+        all on the request threads. Raises as :meth:`plan_model`."""
+        _, _, placement = await self.plan_model(model, flags, watch=watch)
+        return await self.offloader.run(
+            lambda token: plan_json(placement, model, self.models_dir, tensors=tensors, cancel=token),
+            what=f"encoding the plan of '{clip(model, 200)}'",
+            watch=watch,
+        )
+
+    async def job_plan_json(self, job_id: str, *, tensors: bool = True, watch: Watch | None = None) -> bytes:
+        """The whole plan of job ``job_id`` as JSON, encoded on the request threads.
+
+        Raises:
+            NotFoundError: no such job.
+            GoneError: the job ended and its model is not resident: its plan is not kept.
+        """
+        job = self.get(job_id)
+        placement = job.plan
+        if placement is None:
+            raise GoneError(
+                f"the plan of load job '{job_id}' is not kept: the job ended and no model of it is resident",
+                hint="POST /v1/plans with the same body plans it again",
+            )
+        return await self.offloader.run(
+            lambda token: plan_json(placement, job.model, self.models_dir, tensors=tensors, cancel=token),
+            what=f"encoding the plan of load job '{job_id}'",
+            watch=watch,
+        )
+
     def _queued(self) -> int:
         return sum(1 for j in self.jobs.values() if j.state is JobState.QUEUED)
 
@@ -316,6 +375,7 @@ class JobManager:
         job.task = None
         if job.id not in self.models:
             self.reservations.release(job.id)
+            job.plan = None
 
     def _prune(self) -> None:
         """Forget the oldest ended jobs beyond ``job_history``."""
@@ -344,8 +404,18 @@ class JobManager:
                 job.bytes_done = p.bytes_done
                 job.bytes_total = p.bytes_total
 
+            assert job.plan is not None
+            limit = self.limits.load_timeout_s or None
             try:
-                loaded = await load_plan(index, job.plan, self.devices, options=job.options, on_progress=on_progress)
+                async with asyncio.timeout(limit):
+                    loaded = await load_plan(
+                        index, job.plan, self.devices, options=job.options, on_progress=on_progress
+                    )
+            except TimeoutError:
+                message = f"the load took longer than the limit of {limit:g} s and was stopped"
+                self._fail(job, {"code": "work_limit_exceeded", "message": message})
+                logger.warning("load %s of %s: %s", job.id, job.model, message)
+                return
             except asyncio.CancelledError:
                 job.transition(JobState.CANCELLED)
                 raise
@@ -379,6 +449,7 @@ class JobManager:
         if job.state is JobState.QUEUED:
             job.transition(JobState.CANCELLED)
             self.reservations.release(job.id)
+            job.plan = None
         job.cancel_requested = True
         job.version += 1
         if job.task is not None:
@@ -398,6 +469,9 @@ class JobManager:
         del self.models[model_id]
         self.reservations.release(model_id)
         resident.loaded.close()
+        job = self.jobs.get(model_id)
+        if job is not None:
+            job.plan = None
         return resident
 
     def check_files(self) -> list[str]:

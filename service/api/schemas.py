@@ -186,6 +186,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         404: "No such job, model or model file.",
         408: "The request was not received in time.",
         409: "Conflicts with the state of the target, or does not fit the devices' memory.",
+        410: "No longer kept (the plan of an ended load job whose model is not resident).",
         413: "The request body is too large.",
         422: "Invalid request body, or a file that is not valid GGUF or cannot be loaded.",
         429: "Too many loads queued or requests waiting (see Retry-After).",

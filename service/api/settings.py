@@ -90,6 +90,11 @@ class Settings(BaseSettings):
     max_kv_pairs: int = Field(default=65536, ge=1, le=1 << 30)
     """Most KV pairs in a GGUF file; beyond, 422 (``HOIST_MAX_KV_PAIRS``)."""
 
+    load_timeout_s: float = Field(default=0.0, ge=0, le=7 * 24 * 3600)
+    """Time limit of one load, in seconds; a load still running then is stopped and fails
+    with ``work_limit_exceeded``, releasing what it took (``HOIST_LOAD_TIMEOUT_S``; 0: no
+    limit)."""
+
     file_check_interval_s: float = Field(default=2.0, ge=0, le=3600)
     """How often the files of resident models with mapped tensors are checked; a model
     whose file shrank or was rewritten is unloaded before anything reads its pages

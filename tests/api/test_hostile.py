@@ -414,6 +414,17 @@ def test_memory_is_reserved_at_submit(hoist_serve: Any, models_dir: Path) -> Non
             wait_for(client, r.headers["location"], ENDED)
 
 
+def test_the_load_time_limit(hoist_serve: Any, models_dir: Path) -> None:
+    _device_model(models_dir / "m.gguf", 8 * MiB)
+    server: ServeProcess = hoist_serve(HOIST_EMULATED_DEVICES="EMU0=64MiB:bandwidth=1MiB", HOIST_LOAD_TIMEOUT_S="0.5")
+    body = {"model": "m.gguf", "load_mode": "none", "n_gpu_layers": 99}
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        job = wait_for(client, client.post("/v1/loads", json=body).headers["location"], ENDED)
+        assert job["state"] == "failed" and job["error"]["code"] == "work_limit_exceeded", job
+        emu = next(d for d in client.get("/v1/devices").json()["data"] if d["name"] == "EMU0")
+        assert emu["free_bytes"] == emu["total_bytes"] and emu["reserved_bytes"] == 0
+
+
 def test_resident_models_count_against_new_loads(hoist_serve: Any, models_dir: Path) -> None:
     _device_model(models_dir / "m.gguf", 24 * MiB)
     server: ServeProcess = hoist_serve(HOIST_EMULATED_DEVICES="EMU0=64MiB")

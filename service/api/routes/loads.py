@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from service.api.deps import ClientGoneDep, JobsDep
-from service.api.routes.views import job_json, job_out, plan_out
+from service.api.routes.views import job_json, job_out
 from service.api.schemas import COMMON_PROBLEMS, LoadJobList, LoadJobOut, LoadRequest, problem_responses
 from service.loader.pipeline import LoadOptions
 
@@ -44,12 +44,13 @@ async def get_load(job_id: str, jobs: JobsDep) -> Response:
     return Response(job_json(jobs.get(job_id), jobs.models_dir), media_type="application/json")
 
 
-@router.get("/{job_id}/plan", responses=_ONE)
-async def get_load_plan(job_id: str, jobs: JobsDep) -> JSONResponse:
-    """The whole plan of a load job, every tensor's placement included (as
-    ``POST /v1/plans`` gives it)."""
-    job = jobs.get(job_id)
-    return JSONResponse(plan_out(job.plan, job.model, jobs.models_dir))
+@router.get("/{job_id}/plan", responses=problem_responses(404, 410, 422, 429))
+async def get_load_plan(job_id: str, jobs: JobsDep, gone: ClientGoneDep, tensors: bool = True) -> Response:
+    """The whole plan of a load job, every tensor's placement included unless
+    ``?tensors=false`` (as ``POST /v1/plans`` gives it). Kept while the job is queued or
+    running and while its model is resident; ``410`` after."""
+    content = await jobs.job_plan_json(job_id, tensors=tensors, watch=gone)
+    return Response(content, media_type="application/json")
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=LoadJobOut, responses=problem_responses(404, 409))

@@ -12,31 +12,10 @@ from typing import Any
 from service.api.errors import scrub_paths
 from service.api.jobs import JobState, LoadJob, ResidentModel
 from service.loader.model import MemoryReport
-from service.loader.placement import Plan
 
 
 def memory_out(report: MemoryReport) -> dict[str, Any]:
     return report.to_dict()
-
-
-def plan_summary(plan: Plan) -> dict[str, Any]:
-    """What a job shows of its plan; the whole plan is at ``/v1/loads/{id}/plan``."""
-    return {
-        "effective_load_mode": plan.effective_load_mode.value,
-        "n_layer": plan.n_layer,
-        "n_gpu_layers": plan.n_gpu_layers,
-        "devices": list(plan.devices),
-        "fits": plan.fits,
-        "lines": plan.lines(),
-    }
-
-
-def plan_out(plan: Plan, model: str, models_dir: str, *, tensors: bool = True) -> dict[str, Any]:
-    """The whole plan, naming the model as the request did."""
-    data = plan.to_dict(tensors=tensors)
-    data["model"] = model
-    out: dict[str, Any] = scrub_paths(data, models_dir)
-    return out
 
 
 def _job_static(job: LoadJob, models_dir: str) -> dict[str, Any]:
@@ -49,7 +28,7 @@ def _job_static(job: LoadJob, models_dir: str) -> dict[str, Any]:
         "state": job.state.value,
         "cancel_requested": job.cancel_requested,
         "n_tensors": job.n_tensors,
-        "plan": plan_summary(job.plan),
+        "plan": job.plan_summary,
         "warnings": list(job.warnings),
         "stats": job.stats,
         "error": job.error,

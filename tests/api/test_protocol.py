@@ -1,0 +1,123 @@
+"""The HTTP server itself, before the application: request heads and their read time are
+bounded, connections beyond the limit refused, and everything it refuses is answered as
+problem+json, on a real ``hoist serve``."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+import httpx
+
+from tests.conftest import ServeProcess
+
+
+def _connect(server: ServeProcess) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.settimeout(10)
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return out
+
+
+def _problem(raw: bytes, status: int, code: str) -> dict[str, Any]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()), raw[:300]
+    assert b"content-type: application/problem+json" in head.lower()
+    problem: dict[str, Any] = json.loads(body)
+    assert problem["status"] == status and problem["code"] == code
+    return problem
+
+
+def test_a_huge_header_is_refused_without_reading_it(hoist_serve: Any) -> None:
+    server: ServeProcess = hoist_serve(HOIST_API_TOKEN="a-token-for-tests")
+    cpu = server.cpu_seconds()
+    rss = server.rss()
+    sock = _connect(server)
+    sock.sendall(b"GET /v1/devices HTTP/1.1\r\nHost: x\r\nX-A: ")
+    refused = False
+    try:
+        for _ in range(64):  # up to 64 MiB, a MiB at a time
+            sock.sendall(b"a" * (1 << 20))
+    except (BrokenPipeError, ConnectionResetError):
+        refused = True
+    raw = _read_all(sock)
+    sock.close()
+    assert refused or raw
+    if raw:
+        _problem(raw, 431, "request_header_fields_too_large")
+    assert server.cpu_seconds() - cpu < 2
+    assert server.rss() < rss + (16 << 20)
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_a_body_after_the_head_in_one_packet_is_not_counted_as_head(hoist_serve: Any) -> None:
+    server: ServeProcess = hoist_serve()
+    body = json.dumps({"model": "m.gguf", "override_tensor": ["x" * 200 + "=CPU"] * 400}).encode()
+    assert len(body) > 64 << 10
+    sock = _connect(server)
+    sock.sendall(
+        b"POST /v1/plans HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+    raw = _read_all(sock)
+    sock.close()
+    assert raw.startswith(b"HTTP/1.1 404 "), raw[:200]  # the model is missing: the body was read
+
+
+def test_slow_and_idle_clients_are_timed_out(hoist_serve: Any) -> None:
+    server: ServeProcess = hoist_serve(HOIST_REQUEST_READ_TIMEOUT_S="1")
+    slow_head = _connect(server)
+    slow_head.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    slow_body = _connect(server)
+    slow_body.sendall(b"POST /v1/plans HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    idle = _connect(server)
+    started = time.monotonic()
+    for sock in (slow_head, slow_body, idle):
+        _problem(_read_all(sock), 408, "request_timeout")
+        sock.close()
+    assert time.monotonic() - started < 8
+    # a request that arrives in time is served as usual, several on one connection
+    with httpx.Client(base_url=server.url) as client:
+        for _ in range(3):
+            assert client.get("/healthz").status_code == 200
+
+
+def test_connections_beyond_the_limit_are_refused_as_they_open(hoist_serve: Any) -> None:
+    server: ServeProcess = hoist_serve(HOIST_MAX_CONNECTIONS="8", HOIST_REQUEST_READ_TIMEOUT_S="30")
+    held = [_connect(server) for _ in range(8)]
+    time.sleep(0.3)
+    extra = _connect(server)
+    problem = _problem(_read_all(extra), 503, "busy")
+    assert "connections" in problem["detail"]
+    extra.close()
+    for sock in held:
+        sock.close()
+    time.sleep(0.3)
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_invalid_http_is_a_problem(hoist_serve: Any) -> None:
+    server: ServeProcess = hoist_serve()
+    for request in (
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"NOT HTTP AT ALL\r\n\r\n",
+    ):
+        sock = _connect(server)
+        sock.sendall(request)
+        _problem(_read_all(sock), 400, "invalid_http_request")
+        sock.close()
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
