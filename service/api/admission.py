@@ -1,6 +1,6 @@
-"""Admission of loads: a bound on waiting loads, and memory reserved per device at submit
-for every queued load, running load and resident model, so that a load that cannot fit
-is refused at once rather than failing later."""
+"""Admission of loads: memory reserved per device at submit for every queued load,
+running load and resident model, and the process's memory mappings likewise, so that a
+load that cannot fit is refused at once rather than failing later."""
 
 from __future__ import annotations
 
@@ -20,24 +20,68 @@ METADATA_PER_TENSOR = 4096
 """Host bytes counted for each tensor's metadata (its info, weight, placement, loaded
 view and their Python objects; measured at 1.2 to 4 KiB, allocator slack included)."""
 
+METADATA_PER_KV = 512
+"""Host bytes counted for each KV pair (its entry, key and value objects)."""
+
 METADATA_PER_FILE = 64 << 10
 """Host bytes counted for each file of a model (its mapping, descriptors, buffers)."""
+
+HEADER_FACTOR = 4
+"""Host bytes counted per header byte: arrays are kept as bytes, and a string value
+decoded to Python text can take 4 bytes a character."""
+
+MAPPINGS = "mappings"
+"""The name under which reservations count the process's memory mappings."""
+
+MAPPINGS_PER_FILE = 3
+"""Mappings counted per mapped file (locking or unmapping parts can split one in three)."""
 
 
 def metadata_nbytes(index: WeightIndex) -> int:
     """Host bytes a model's metadata takes while it is queued, loading or resident: its
-    headers (kept, arrays as bytes) twice over, and per tensor and per file figures."""
+    headers, KV pairs, tensors and files, each by a measured upper figure."""
     headers = sum(f.data_offset for f in index.files)
-    return 2 * headers + METADATA_PER_TENSOR * len(index) + METADATA_PER_FILE * len(index.files)
+    kvs = sum(len(f.kv) for f in index.files)
+    return (
+        HEADER_FACTOR * headers
+        + METADATA_PER_KV * kvs
+        + METADATA_PER_TENSOR * len(index)
+        + METADATA_PER_FILE * len(index.files)
+    )
 
 
-def plan_needs(p: Plan, staging: int = 0) -> dict[str, int]:
-    """Bytes ``p`` needs per memory (device name, ``CPU`` for host memory): what it
-    allocates, mapped bytes it locks, and ``staging`` bytes of host staging buffers."""
+def plan_needs(p: Plan, staging: int = 0, staging_buffers: int = 0) -> dict[str, int]:
+    """What ``p`` needs per memory (device name, ``CPU`` for host memory), in bytes: what it
+    allocates, mapped bytes it locks, and ``staging`` bytes of host staging buffers; and
+    under :data:`MAPPINGS`, the memory mappings it makes (files mapped, allocations and
+    ``staging_buffers`` buffers)."""
     needs = {u.device: u.needed for u in p.device_use if u.needed}
     if staging:
         needs["CPU"] = needs.get("CPU", 0) + staging
+    mapped_files = {b.file_index for b in p.buffers if b.mapped} | {t.file_index for t in p.tensors if t.lazy}
+    if p.use_mmap:
+        mapped_files |= {t.file_index for t in p.tensors}
+    allocations = sum(len(b.chunks) for b in p.buffers if not b.mapped)
+    needs[MAPPINGS] = MAPPINGS_PER_FILE * len(mapped_files) + allocations + staging_buffers
     return needs
+
+
+def max_map_count() -> int:
+    """The kernel's limit on one process's memory mappings (``vm.max_map_count``)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+def mappings_now() -> int:
+    """The memory mappings this process has now (lines of ``/proc/self/maps``)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +96,11 @@ class Shortfall:
     holders: int
 
     def describe(self) -> str:
+        if self.device == MAPPINGS:
+            return (
+                f"the process needs {self.needed} more memory mappings, {self.available} are available "
+                f"(vm.max_map_count, less what the process and the other loads and models hold)"
+            )
         return (
             f"{self.device} needs {self.needed / MiB:.2f} MiB, {self.available / MiB:.2f} MiB available "
             f"({self.free / MiB:.2f} MiB free now; {self.reserved / MiB:.2f} MiB reserved by "
@@ -67,15 +116,25 @@ class Reservations:
     owner's reservation, this one included, stays within it. Loads that have not
     allocated yet and loads that have are so counted once each.
 
+    Memory mappings are counted the same way against ``vm.max_map_count``, less the
+    mappings the process had when the reservations began and a margin for what it maps
+    on its own (threads, allocations): a process at that limit cannot map, allocate or
+    start a thread.
+
     Args:
         devices: the devices (one of them the CPU); memories are named by device, host
             memory ``CPU``.
     """
 
+    MAPPING_MARGIN = 4096
+    """Mappings kept for the process's own use (at least; or a tenth of the limit)."""
+
     def __init__(self, devices: Sequence[Device]) -> None:
         self.devices = {d.name: d for d in devices}
         self.owners: dict[str, dict[str, int]] = {}
         self.metadata: dict[str, int] = {}
+        limit = max_map_count()
+        self.mapping_capacity = max(limit - mappings_now() - max(self.MAPPING_MARGIN, limit // 10), 0)
 
     def reserved(self, memory: str, *, excluding: str | None = None) -> tuple[int, int]:
         """Bytes reserved in ``memory`` and by how many owners (``excluding`` one)."""
@@ -89,6 +148,8 @@ class Reservations:
     def _capacity(self, memory: str) -> tuple[int, int] | None:
         """(capacity, free now) of ``memory``; None for a device that reports no memory
         (it allocates without a limit)."""
+        if memory == MAPPINGS:
+            return self.mapping_capacity, self.mapping_capacity
         device = self.devices.get(memory)
         if device is None:
             return None
@@ -113,7 +174,7 @@ class Reservations:
         return out
 
     def reserve(self, owner: str, needs: dict[str, int], *, model: str | None = None, metadata: int = 0) -> None:
-        """Reserve ``needs`` (bytes per memory) for ``owner``, replacing what it had, and
+        """Reserve ``needs`` (per memory) for ``owner``, replacing what it had, and
         ``metadata`` more host bytes that the owner holds already (its parsed model),
         which count as held by hoist until :meth:`release`.
 
@@ -121,19 +182,24 @@ class Reservations:
             BudgetExceededError: some memory cannot hold it beside the other owners'
                 reservations; the message gives the figures per memory.
         """
+        needs = dict(needs)
+        # the metadata is in memory already: held, and needed, like any buffer
+        added = metadata - self.metadata.get(owner, 0)
+        HOST_MEMORY.add(added)
+        if metadata:
+            needs["CPU"] = needs.get("CPU", 0) + metadata
         short = self.shortfalls(owner, needs)
         if short:
+            HOST_MEMORY.add(-added)
             raise BudgetExceededError(
                 "the model does not fit beside the loads and models already admitted: "
                 + "; ".join(s.describe() for s in short),
                 path=model,
                 hint="unload a model, wait for loads to finish, offload fewer layers (-ngl) or change --tensor-split",
             )
-        self.owners[owner] = dict(needs)
+        self.owners[owner] = needs
         if metadata:
-            self.owners[owner]["CPU"] = self.owners[owner].get("CPU", 0) + metadata
-            self.metadata[owner] = self.metadata.get(owner, 0) + metadata
-            HOST_MEMORY.add(metadata)
+            self.metadata[owner] = metadata
 
     def replace(self, owner: str, needs: dict[str, int]) -> None:
         """Set ``owner``'s reservation to ``needs`` (and its metadata) without checking,

@@ -129,6 +129,7 @@ class LoadJob:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     view: Any = field(default=None, repr=False)
     plan_summary: dict[str, Any] = field(default_factory=dict)
+    memory_summary: dict[str, Any] | None = None
     load_mode: str = ""
 
     def __post_init__(self) -> None:
@@ -157,12 +158,21 @@ class LoadJob:
 
 @dataclass(eq=False)
 class ResidentModel:
-    """A model loaded by a job and held until unloaded."""
+    """A model loaded by a job and held until unloaded.
+
+    Attributes:
+        by_device: bytes it holds per device and buffer type (computed once: a split
+            model mapped has a buffer per split).
+    """
 
     id: str
     model: str
     loaded: LoadedModel
     loaded_at: datetime = field(default_factory=_now)
+    by_device: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.by_device = self.loaded.report.by_device()
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +371,8 @@ class JobManager:
             options=options,
             warnings=list(placement.warnings),
         )
-        needs = plan_needs(placement, staging_nbytes(placement, self.devices, options))
+        staging = staging_nbytes(placement, self.devices, options)
+        needs = plan_needs(placement, staging, options.staging_buffers if staging else 0)
         self.reservations.reserve(job.id, needs, model=model, metadata=metadata_nbytes(index))
         self.jobs[job.id] = job
         job.task = asyncio.create_task(self._run(job, index), name=f"load {job.id}")
@@ -431,10 +442,15 @@ class JobManager:
                 self._fail(job, {"code": "internal_error", "message": f"internal error ({type(exc).__name__})"})
                 logger.exception("load %s of %s failed unexpectedly", job.id, job.model)
                 return
-            self.models[job.id] = ResidentModel(job.id, job.model, loaded)
+            resident = self.models[job.id] = ResidentModel(job.id, job.model, loaded)
             # the staging buffers are gone: the model keeps what its buffers hold
             self.reservations.replace(job.id, plan_needs(loaded.plan))
             job.report = loaded.report
+            job.memory_summary = {
+                "by_device": resident.by_device,
+                "total_bytes": loaded.report.total_nbytes,
+                "n_buffers": len(loaded.report.buffers),
+            }
             job.warnings = list(loaded.warnings)
             job.stats = loaded.stats.to_dict()
             job.transition(JobState.SUCCEEDED)
@@ -471,7 +487,10 @@ class JobManager:
         resident.loaded.close()
         job = self.jobs.get(model_id)
         if job is not None:
+            # an ended job keeps summaries: its plan and report can be large
             job.plan = None
+            job.report = None
+            job.version += 1
         return resident
 
     def check_files(self) -> list[str]:

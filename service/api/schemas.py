@@ -83,6 +83,14 @@ class MemoryReportOut(BaseModel):
     lines: list[str] = Field(description="llama.cpp's report lines.")
 
 
+class MemorySummaryOut(BaseModel):
+    """Bytes per device and buffer type, and in all."""
+
+    by_device: dict[str, dict[str, int]]
+    total_bytes: int
+    n_buffers: int
+
+
 class LoadJobOut(BaseModel):
     """A load job (``GET /v1/loads/{id}``)."""
 
@@ -103,7 +111,10 @@ class LoadJobOut(BaseModel):
     warnings: list[str] = Field(default_factory=list, description="mlock limits, direct I/O fallbacks, ...")
     stats: dict[str, Any] | None = Field(default=None, description="How the bytes moved, once succeeded.")
     error: dict[str, Any] | None = None
-    memory: MemoryReportOut | None = Field(default=None, description="Set once the job succeeded.")
+    memory: MemoryReportOut | None = Field(
+        default=None, description="Once succeeded, while the model is resident (not in listings)."
+    )
+    memory_summary: MemorySummaryOut | None = Field(default=None, description="Once succeeded.")
     model_id: str | None = Field(default=None, description="The loaded model's id, once succeeded.")
     created_at: datetime
     started_at: datetime | None = None
@@ -113,6 +124,7 @@ class LoadJobOut(BaseModel):
 
 class LoadJobList(BaseModel):
     data: list[LoadJobOut]
+    total: int = Field(description="Jobs in all (listed or not).")
 
 
 class DeviceModelUse(BaseModel):
@@ -151,7 +163,8 @@ class ModelOut(BaseModel):
     load_mode: str
     n_tensors: int
     loaded_at: datetime
-    memory: MemoryReportOut
+    memory: MemoryReportOut | None = Field(description="The whole report (not in listings).")
+    memory_summary: MemorySummaryOut
 
 
 class ModelList(BaseModel):

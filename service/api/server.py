@@ -20,6 +20,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.api.errors import PROBLEM_JSON
 from service.api.settings import Settings
 
+KEEP_ALIVE_S = 5
+"""Seconds an idle keep-alive connection stays open."""
+
 
 def problem_bytes(status: int, detail: str, code: str, extra_headers: bytes = b"") -> bytes:
     """A whole ``application/problem+json`` HTTP/1.1 response that closes the connection."""
@@ -39,36 +42,58 @@ def problem_bytes(status: int, detail: str, code: str, extra_headers: bytes = b"
     return head + extra_headers + b"\r\n" + body
 
 
+class _TooManyPipelined(Exception):
+    """Raised from a parser callback to stop parsing a connection's pipelined requests."""
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, bounded.
 
+    Every request must arrive whole within ``read_timeout_s`` of its first byte (and the
+    first one within that of the connection opening; the next one within that plus the
+    keep-alive time of the previous response): a client that dribbles a head, a body, a
+    chunked trailer or empty lines is answered ``408`` (or, when its response has
+    started, disconnected). A head (request line and headers) is at most
+    ``max_head_bytes`` (``431``); the bytes after it, body and trailers, at most
+    ``max_body_bytes`` and ``max_head_bytes`` more, whether or not the application reads
+    them (``413``); at most ``MAX_PIPELINED`` requests wait behind the one being answered.
+
     Class attributes (set by :func:`guarded_protocol`):
-        max_head_bytes: largest request head (request line and headers) in bytes; beyond,
-            ``431``.
-        read_timeout_s: time to receive a whole request (head and body) once it begins,
-            and to begin the first one once the connection opens; beyond, ``408``.
+        max_head_bytes: largest request head in bytes.
+        max_body_bytes: largest body in bytes.
+        read_timeout_s: seconds to receive a whole request.
+        keep_alive_s: seconds a connection may stay idle between requests.
         max_connections: open connections; one more is answered ``503`` and closed.
     """
 
     max_head_bytes = 64 << 10
+    max_body_bytes = 1 << 20
     read_timeout_s = 10.0
+    keep_alive_s = 5.0
     max_connections = 1024
+    MAX_PIPELINED = 16
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._head_bytes = 0
-        self._tail = b""
-        self._in_head = True
-        self._reading = True
         self._read_timer: asyncio.TimerHandle | None = None
+        self._refusal: tuple[int, str, str] | None = None
+        self._next_request()
         if len(self.connections) > self.max_connections:
             self._refuse(503, "too many connections are open; try again shortly", "busy", b"retry-after: 1\r\n")
             return
-        self._arm()
+        self._arm(self.read_timeout_s)
 
-    def _arm(self) -> None:
+    def _next_request(self) -> None:
+        """Wait for the next request: its head is counted from the next byte."""
+        self._in_head = True
+        self._head_started = False
+        self._head_bytes = 0
+        self._rest_bytes = 0
+        self._tail = b""
+
+    def _arm(self, seconds: float) -> None:
         self._disarm()
-        self._read_timer = self.loop.call_later(self.read_timeout_s, self._too_slow)
+        self._read_timer = self.loop.call_later(seconds, self._too_slow)
 
     def _disarm(self) -> None:
         if self._read_timer is not None:
@@ -83,49 +108,73 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _too_slow(self) -> None:
         self._read_timer = None
-        if self._reading and (self.cycle is None or not self.cycle.response_started):
-            detail = f"the request was not received within {self.read_timeout_s:g} s"
-            self._refuse(408, detail, "request_timeout")
+        if self.transport.is_closing():
+            return
+        if self._in_head or self.cycle is None or not self.cycle.response_started:
+            self._refuse(408, f"the request was not received within {self.read_timeout_s:g} s", "request_timeout")
+        else:
+            self.transport.close()  # the response has begun: nothing more can be said
+
+    def _count(self, data: bytes) -> tuple[int, str, str] | None:
+        """Count ``data`` against the head's or the body's bound; the refusal, if over."""
+        if not self._in_head:
+            self._rest_bytes += len(data)
+            if self._rest_bytes > self.max_body_bytes + self.max_head_bytes:
+                return 413, f"the request body is larger than {self.max_body_bytes} bytes", "content_too_large"
+            return None
+        # count the head's bytes only: a body may follow it in the same chunk; empty
+        # lines before a request line belong to no head but are counted all the same
+        probe = self._tail + data
+        start = 0
+        if not self._head_started:
+            start = len(probe) - len(probe.lstrip(b"\r\n"))
+            self._head_started = start < len(probe)
+        end = probe.find(b"\r\n\r\n", start) if self._head_started else -1
+        self._head_bytes += len(data) if end < 0 else max(end + 4 - len(self._tail), 0)
+        self._tail = probe[-3:]
+        if self._head_bytes > self.max_head_bytes:
+            detail = f"the request line and headers are larger than {self.max_head_bytes} bytes"
+            return 431, detail, "request_header_fields_too_large"
+        return None
 
     def data_received(self, data: bytes) -> None:
-        if self._in_head:
-            # count the head's bytes only: a body may follow it in the same chunk
-            probe = self._tail + data
-            end = probe.find(b"\r\n\r\n")
-            self._head_bytes += len(data) if end < 0 else max(end + 4 - len(self._tail), 0)
-            self._tail = probe[-3:]
-            if self._head_bytes > self.max_head_bytes:
-                self._refuse(
-                    431,
-                    f"the request line and headers are larger than {self.max_head_bytes} bytes",
-                    "request_header_fields_too_large",
-                )
-                return
+        refusal = self._count(data)
+        if refusal is not None:
+            self._refuse(*refusal)
+            return
         super().data_received(data)
 
     def on_message_begin(self) -> None:
+        if len(self.pipeline) >= self.MAX_PIPELINED:
+            raise _TooManyPipelined
         super().on_message_begin()
-        self._in_head = True
-        self._reading = True
-        self._head_bytes = 0
-        self._tail = b""
-        self._arm()
+        self._arm(self.read_timeout_s)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
-        self._reading = False
         self._disarm()
+        self._next_request()
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            # uvicorn's keep-alive timer stops at the next byte; this one does not
+            self._arm(self.keep_alive_s + self.read_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        self._refuse(400, "the request is not valid HTTP/1.1", "invalid_http_request")
+        if len(self.pipeline) >= self.MAX_PIPELINED:
+            detail = f"more than {self.MAX_PIPELINED} pipelined requests wait on this connection"
+            self._refuse(429, detail, "too_many_pipelined_requests")
+        else:
+            self._refuse(400, "the request is not valid HTTP/1.1", "invalid_http_request")
 
 
 def guarded_protocol(settings: Settings) -> type[GuardedHttpToolsProtocol]:
@@ -135,7 +184,9 @@ def guarded_protocol(settings: Settings) -> type[GuardedHttpToolsProtocol]:
         (GuardedHttpToolsProtocol,),
         {
             "max_head_bytes": settings.max_request_head_bytes,
+            "max_body_bytes": settings.max_body_bytes,
             "read_timeout_s": settings.request_read_timeout_s,
+            "keep_alive_s": KEEP_ALIVE_S,
             "max_connections": settings.max_connections,
         },
     )
@@ -151,7 +202,9 @@ def server_config(app: Any, settings: Settings, *, host: str, port: int, log_lev
         loop="uvloop",
         http=guarded_protocol(settings),
         log_level=log_level,
-        timeout_keep_alive=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        # no websocket routes: an upgrade request is an ordinary request (and a 404)
+        ws="none",
         # requests still running then are cancelled, which stops their work at its next check
         timeout_graceful_shutdown=10,
     )

@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     connection opens), in seconds; beyond, 408 and the connection is closed
     (``HOIST_REQUEST_READ_TIMEOUT_S``)."""
 
-    max_gguf_header_bytes: int = Field(default=256 << 20, ge=1 << 20, le=1 << 40)
+    max_gguf_header_bytes: int = Field(default=64 << 20, ge=1 << 20, le=1 << 40)
     """Largest GGUF header (metadata and tensor infos, all splits together) a request may
     make the service read, in bytes; beyond, 422 (``HOIST_MAX_GGUF_HEADER_BYTES``)."""
 
@@ -88,7 +88,7 @@ class Settings(BaseSettings):
     """Most tensors in a model (all splits together); beyond, 422 (``HOIST_MAX_TENSORS``)."""
 
     max_kv_pairs: int = Field(default=65536, ge=1, le=1 << 30)
-    """Most KV pairs in a GGUF file; beyond, 422 (``HOIST_MAX_KV_PAIRS``)."""
+    """Most KV pairs in a model (all splits together); beyond, 422 (``HOIST_MAX_KV_PAIRS``)."""
 
     load_timeout_s: float = Field(default=0.0, ge=0, le=7 * 24 * 3600)
     """Time limit of one load, in seconds; a load still running then is stopped and fails

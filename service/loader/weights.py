@@ -193,6 +193,7 @@ class _Budget:
         self.limits = limits
         self.nbytes = first.data_offset
         self.tensors = len(first.tensors)
+        self.kv = len(first.kv)
 
     def remaining(self) -> HeaderLimits | None:
         if self.limits is None:
@@ -200,13 +201,14 @@ class _Budget:
         lim = self.limits
         return HeaderLimits(
             None if lim.max_bytes is None else max(lim.max_bytes - self.nbytes, 0),
-            lim.max_kv,
+            None if lim.max_kv is None else max(lim.max_kv - self.kv, 0),
             None if lim.max_tensors is None else max(lim.max_tensors - self.tensors, 0),
         )
 
     def spend(self, gguf_file: GGUFFile) -> None:
         self.nbytes += gguf_file.data_offset
         self.tensors += len(gguf_file.tensors)
+        self.kv += len(gguf_file.kv)
 
 
 MAX_SPLITS = 65535
@@ -233,8 +235,7 @@ def open_model(
         root: when given, every split must resolve inside this directory, as named and
             as opened (a symbolic link swapped in between cannot lead outside).
         cancel: checked while headers are parsed and between splits.
-        limits: bounds on each file's header; ``max_tensors`` also bounds the tensors of
-            all splits together, and ``max_bytes`` their headers together.
+        limits: bounds on the headers of all splits together (bytes, KV pairs, tensors).
 
     Returns:
         The :class:`WeightIndex`.

@@ -121,3 +121,90 @@ def test_invalid_http_is_a_problem(hoist_serve: Any) -> None:
         _problem(_read_all(sock), 400, "invalid_http_request")
         sock.close()
     assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def _drip(sock: socket.socket, chunk: bytes, seconds: float, every: float = 0.3) -> bool:
+    """Send ``chunk`` every ``every`` seconds for ``seconds``; False once the server closed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            sock.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        time.sleep(every)
+    return True
+
+
+def test_dribbling_clients_are_cut_off_whatever_they_dribble(hoist_serve: Any) -> None:
+    server: ServeProcess = hoist_serve(HOIST_REQUEST_READ_TIMEOUT_S="1", HOIST_API_TOKEN="a-token-for-tests")
+    done = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    cases = {
+        # after one request: empty lines, or a second head, a byte at a time
+        "empty lines": (done, b"\r\n"),
+        "second head": (done + b"GET /healthz HTTP/1.1\r\n", b"X"),
+        # a body nobody reads, chunked, without end (the response was sent already)
+        "endless chunked body": (
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"1\r\na\r\n",
+        ),
+        # a body refused by its length, then sent anyway, slowly
+        "refused body": (b"POST /v1/plans HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n", b"a"),
+        # trailers after a chunked body, one after another (the 401 was sent already)
+        "endless trailers": (
+            b"POST /v1/loads HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n",
+            b"a:b\r\n",
+        ),
+    }
+    for what, (first, then) in cases.items():
+        sock = _connect(server)
+        sock.sendall(first)
+        still_open = _drip(sock, then, seconds=12)
+        sock.close()
+        assert not still_open, f"{what}: the connection stayed open"
+    assert server.rss() < 400 << 20
+
+
+def test_trailers_and_bodies_are_bounded_even_unread(hoist_serve: Any) -> None:
+    server: ServeProcess = hoist_serve(HOIST_API_TOKEN="a-token-for-tests")
+    rss = server.rss()
+    sock = _connect(server)
+    sock.sendall(b"POST /v1/loads HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n")
+    closed = False
+    try:
+        for _ in range(400):  # up to 40 MB of trailers
+            sock.sendall(b"a:b\r\n" * 20_000)
+    except (BrokenPipeError, ConnectionResetError):
+        closed = True
+    sock.close()
+    assert closed
+    assert server.rss() < rss + (64 << 20)
+
+
+def test_pipelined_requests_are_bounded(hoist_serve: Any) -> None:
+    server: ServeProcess = hoist_serve()
+    rss = server.rss()
+    sock = _connect(server)
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    closed = False
+    try:
+        for _ in range(200):  # up to 6.6 MB of pipelined requests, sent without reading
+            sock.sendall(request * 1000)
+    except (BrokenPipeError, ConnectionResetError):
+        closed = True
+    raw = _read_all(sock)
+    sock.close()
+    assert closed or b"too_many_pipelined_requests" in raw
+    assert server.rss() < rss + (64 << 20)
+    # a client that pipelines a few requests is served
+    sock = _connect(server)
+    sock.sendall(request * 4 + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert _read_all(sock).count(b"HTTP/1.1 200 OK") == 5
+    sock.close()
+
+
+def test_empty_lines_before_a_head_do_not_hide_it(hoist_serve: Any) -> None:
+    server: ServeProcess = hoist_serve()
+    sock = _connect(server)
+    sock.sendall(b"\r\n\r\n" + b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * (200 << 10) + b"\r\n\r\n")
+    _problem(_read_all(sock), 431, "request_header_fields_too_large")
+    sock.close()

@@ -474,3 +474,26 @@ def test_cgroup_v1_limits_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert mem.total == 150 << 20 and mem.free <= 100 << 20
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
     assert cpu.host_memory().total > 150 << 20
+
+
+def test_a_limit_on_the_services_own_cgroup_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.loader.devices import cpu
+
+    # cgroup v2 without a namespace: the service's cgroup is a path below the root
+    service = tmp_path / "system.slice" / "hoist.service"
+    service.mkdir(parents=True)
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text(f"{8 << 30}\n")
+    (tmp_path / "system.slice" / "memory.max").write_text(f"{4 << 30}\n")
+    (tmp_path / "system.slice" / "memory.current").write_text(f"{1 << 30}\n")
+    (service / "memory.max").write_text(f"{300 << 20}\n")
+    (service / "memory.current").write_text(f"{100 << 20}\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/system.slice/hoist.service\n")
+    monkeypatch.setattr(cpu, "_CGROUP", tmp_path)
+    monkeypatch.setattr(cpu, "_PROC_CGROUP", proc)
+    mem = cpu.host_memory()
+    assert mem.total == 300 << 20 and mem.free <= 200 << 20
+    # the parent's limit is tighter once it is nearly full
+    (tmp_path / "system.slice" / "memory.current").write_text(f"{(4 << 30) - (50 << 20)}\n")
+    assert cpu.host_memory().free <= 50 << 20

@@ -19,7 +19,7 @@ async def list_devices(devices: DevicesDep, jobs: JobsDep) -> DeviceList:
         mem = device.memory()
         uses = []
         for resident in jobs.models.values():
-            per_type = resident.loaded.report.by_device().get(device.name)
+            per_type = resident.by_device.get(device.name)
             if per_type:
                 uses.append(
                     DeviceModelUse(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import itertools
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, Response
 
 from service.api.deps import ClientGoneDep, JobsDep
-from service.api.routes.views import job_json, job_out
+from service.api.routes.views import job_json, job_listed, job_out
 from service.api.schemas import COMMON_PROBLEMS, LoadJobList, LoadJobOut, LoadRequest, problem_responses
 from service.loader.pipeline import LoadOptions
 
@@ -31,10 +34,14 @@ async def start_load(body: LoadRequest, jobs: JobsDep, gone: ClientGoneDep) -> J
     return JSONResponse(job_out(job, jobs.models_dir), status_code=202, headers={"Location": f"/v1/loads/{job.id}"})
 
 
-@router.get("", response_model=LoadJobList)
-async def list_loads(jobs: JobsDep) -> JSONResponse:
-    """Every load job, oldest first."""
-    return JSONResponse({"data": [job_out(j, jobs.models_dir) for j in jobs.jobs.values()]})
+@router.get("", response_model=LoadJobList, responses=problem_responses(422))
+async def list_loads(
+    jobs: JobsDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100, offset: Annotated[int, Query(ge=0)] = 0
+) -> JSONResponse:
+    """Load jobs, oldest first, ``limit`` of them from ``offset`` (``total``: how many
+    there are); each without its memory report (``GET /v1/loads/{id}`` has it)."""
+    listed = list(itertools.islice(jobs.jobs.values(), offset, offset + limit))
+    return JSONResponse({"data": [job_listed(j, jobs.models_dir) for j in listed], "total": len(jobs.jobs)})
 
 
 @router.get("/{job_id}", response_model=LoadJobOut, responses=_ONE)

@@ -14,8 +14,9 @@ router = APIRouter(prefix="/v1/models", tags=["models"], responses=COMMON_PROBLE
 
 @router.get("", response_model=ModelList)
 async def list_models(jobs: JobsDep) -> JSONResponse:
-    """Every loaded model with its memory report."""
-    return JSONResponse({"data": [model_out(m) for m in jobs.models.values()]})
+    """Every loaded model, with a summary of its memory (``GET /v1/models/{id}`` has the
+    whole report)."""
+    return JSONResponse({"data": [model_out(m, full=False) for m in jobs.models.values()]})
 
 
 @router.get("/{model_id}", response_model=ModelOut, responses=problem_responses(404))

@@ -18,6 +18,18 @@ def memory_out(report: MemoryReport) -> dict[str, Any]:
     return report.to_dict()
 
 
+def memory_summary(report: MemoryReport) -> dict[str, Any]:
+    """Bytes per device and buffer type, and in all: what listings show (a report has a
+    line per buffer, and a split model mapped has a buffer per split)."""
+    return {"by_device": report.by_device(), "total_bytes": report.total_nbytes, "n_buffers": len(report.buffers)}
+
+
+def resident_summary(resident: ResidentModel) -> dict[str, Any]:
+    """:func:`memory_summary` of a resident model, from what it computed once."""
+    report = resident.loaded.report
+    return {"by_device": resident.by_device, "total_bytes": report.total_nbytes, "n_buffers": len(report.buffers)}
+
+
 def _job_static(job: LoadJob, models_dir: str) -> dict[str, Any]:
     base = f"/v1/loads/{job.id}"
     data = {
@@ -33,6 +45,7 @@ def _job_static(job: LoadJob, models_dir: str) -> dict[str, Any]:
         "stats": job.stats,
         "error": job.error,
         "memory": memory_out(job.report) if job.report is not None else None,
+        "memory_summary": job.memory_summary,
         "model_id": job.id if job.state is JobState.SUCCEEDED else None,
         "created_at": job.created_at.isoformat(),
         "started_at": job.started_at.isoformat() if job.started_at else None,
@@ -70,7 +83,17 @@ def job_json(job: LoadJob, models_dir: str) -> bytes:
     return head + counts.encode()
 
 
-def model_out(resident: ResidentModel) -> dict[str, Any]:
+def job_listed(job: LoadJob, models_dir: str) -> dict[str, Any]:
+    """A job as ``GET /v1/loads`` lists it: without its memory report (its summary is
+    kept)."""
+    data = job_out(job, models_dir)
+    data["memory"] = None
+    return data
+
+
+def model_out(resident: ResidentModel, *, full: bool = True) -> dict[str, Any]:
+    """A resident model; ``full``: with its memory report, else its summary only."""
+    report = resident.loaded.report
     return {
         "id": resident.id,
         "object": "model",
@@ -78,5 +101,6 @@ def model_out(resident: ResidentModel) -> dict[str, Any]:
         "load_mode": resident.loaded.load_mode,
         "n_tensors": len(resident.loaded),
         "loaded_at": resident.loaded_at.isoformat(),
-        "memory": memory_out(resident.loaded.report),
+        "memory": memory_out(report) if full else None,
+        "memory_summary": resident_summary(resident),
     }

@@ -10,6 +10,7 @@ from service.errors import OutOfMemoryError
 from service.loader.devices.base import BufferType, Device, DeviceBuffer, DeviceCaps, DeviceMemory, HostBuffer
 
 _CGROUP = Path("/sys/fs/cgroup")
+_PROC_CGROUP = Path("/proc/self/cgroup")
 
 
 def _meminfo() -> dict[str, int]:
@@ -27,22 +28,49 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
+def _own_cgroups() -> list[tuple[Path, str, str]]:
+    """The directories of this process's memory cgroup and its ancestors, innermost first,
+    each with its limit and usage file names (cgroup v2, else v1)."""
+    try:
+        lines = _PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        lines = []
+    found: list[tuple[Path, str, str]] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":
+            base, files = _CGROUP, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = _CGROUP / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p and p not in (".", "..")]
+        found += [(base.joinpath(*parts[:k]), *files) for k in range(len(parts), -1, -1)]
+    if not found:
+        found = [(_CGROUP, "memory.max", "memory.current"), (_CGROUP / "memory", *_V1_FILES)]
+    return found
+
+
+_V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+
+
 def _cgroup_limit() -> tuple[int, int] | None:
-    """The container's memory limit and usage in bytes (cgroup v2, else v1), or None
-    without a limit."""
-    for limit_file, usage_file in (
-        (_CGROUP / "memory.max", _CGROUP / "memory.current"),
-        (_CGROUP / "memory" / "memory.limit_in_bytes", _CGROUP / "memory" / "memory.usage_in_bytes"),
-    ):
+    """The smallest memory limit of this process's cgroup and its ancestors, and the fewest
+    bytes left under any of them, or None without a limit. A limit set on the service's own cgroup (a
+    systemd ``MemoryMax=``) counts as well as the container's."""
+    best: tuple[int, int] | None = None
+    for directory, limit_name, usage_name in _own_cgroups():
         try:
-            limit = limit_file.read_text().strip()
-            usage = int(usage_file.read_text().strip())
+            limit = (directory / limit_name).read_text().strip()
+            usage = int((directory / usage_name).read_text().strip())
         except (OSError, ValueError):
             continue
         # "max" (v2) or a huge number near 2**63 (v1) mean no limit
-        if limit.isdigit() and int(limit) < 1 << 60:
-            return int(limit), usage
-    return None
+        if not limit.isdigit() or int(limit) >= 1 << 60:
+            continue
+        left = max(int(limit) - usage, 0)
+        best = (int(limit), left) if best is None else (min(best[0], int(limit)), min(best[1], left))
+    return best
 
 
 def host_memory() -> DeviceMemory:
@@ -52,9 +80,9 @@ def host_memory() -> DeviceMemory:
     free = info.get("MemAvailable", info.get("MemFree", 0))
     cgroup = _cgroup_limit()
     if cgroup is not None:
-        limit, usage = cgroup
+        limit, left = cgroup
         total = min(total, limit)
-        free = min(free, max(limit - usage, 0))
+        free = min(free, left)
     return DeviceMemory(free=free, total=total)
 
 
