@@ -125,3 +125,33 @@ async def test_a_failed_load_frees_its_memory_without_a_garbage_collection(
         tracemalloc.stop()
         gc.enable()
         await jobs.close()
+
+
+async def test_loads_beyond_the_mapping_limit_are_refused_at_submit(tmp_path: Path) -> None:
+    from service.api.admission import MAPPINGS_PER_FILE
+    from service.errors import BudgetExceededError
+
+    models = tmp_path / "models"
+    models.mkdir()
+    write_fixture(models / "m.gguf", tensors={"w": (np.ones(8, dtype=np.float32), gguf.GGMLQuantizationType.F32)})
+    jobs = JobManager(str(models), [CPUDevice()], Limits())
+    # room for the mappings of two mapped files
+    jobs.reservations.mapping_capacity = 2 * MAPPINGS_PER_FILE
+    try:
+        first = await jobs.submit("m.gguf", {"load_mode": "mmap"})
+        second = await jobs.submit("m.gguf", {"load_mode": "mmap"})
+        with pytest.raises(BudgetExceededError, match="memory mappings.*vm.max_map_count"):
+            await jobs.submit("m.gguf", {"load_mode": "mmap"})
+        while not (first.state.terminal and second.state.terminal):
+            await asyncio.sleep(0.01)
+        assert first.state is JobState.SUCCEEDED and second.state is JobState.SUCCEEDED
+        # a resident model keeps its mapping reserved; unloading one makes room again
+        with pytest.raises(BudgetExceededError):
+            await jobs.submit("m.gguf", {"load_mode": "mmap"})
+        jobs.unload(first.id)
+        third = await jobs.submit("m.gguf", {"load_mode": "mmap"})
+        while not third.state.terminal:
+            await asyncio.sleep(0.01)
+        assert third.state is JobState.SUCCEEDED
+    finally:
+        await jobs.close()

@@ -167,3 +167,26 @@ def test_an_abandoned_plan_of_many_tensors_stops(hoist_serve: Any, models_dir: P
     cpu = server.cpu_seconds()
     time.sleep(1.0)
     assert server.cpu_seconds() - cpu < 0.3  # idle again
+
+
+def test_listings_are_paged_and_compact(live_server: str, models_dir: Path) -> None:
+    _many_tensors(models_dir / "m.gguf", 20)
+    with httpx.Client(base_url=live_server, timeout=60) as client:
+        ids = []
+        for _ in range(3):
+            resp = client.post("/v1/loads", json={"model": "m.gguf", "load_mode": "mmap"})
+            assert resp.status_code == 202, resp.text
+            ids.append(wait_for(client, resp.headers["location"], ENDED)["id"])
+        page = client.get("/v1/loads", params={"limit": 2, "offset": 1}).json()
+        assert page["total"] == 3 and [j["id"] for j in page["data"]] == ids[1:]
+        assert client.get("/v1/loads", params={"offset": 5}).json() == {"data": [], "total": 3}
+        is_problem(client.get("/v1/loads", params={"limit": 0}), 422)
+        is_problem(client.get("/v1/loads", params={"limit": 10**6}), 422)
+        # listings carry a summary of the memory, the model itself its report
+        models = client.get("/v1/models").json()["data"]
+        assert len(models) == 3
+        for m in models:
+            assert m["memory"] is None
+            full = client.get(f"/v1/models/{m['id']}").json()["memory"]
+            assert m["memory_summary"]["total_bytes"] == full["total_bytes"] > 0
+            assert m["memory_summary"]["n_buffers"] == len(full["buffers"])
