@@ -69,10 +69,16 @@ async def test_a_cancelled_load_frees_its_memory(tmp_path: Path, monkeypatch: py
         await jobs.close()
 
 
-async def test_job_history_is_bounded(tmp_path: Path) -> None:
+def _models_with_m(tmp_path: Path) -> Path:
+    """A models directory holding ``m.gguf``, one small F32 tensor."""
     models = tmp_path / "models"
     models.mkdir()
     write_fixture(models / "m.gguf", tensors={"w": (np.ones(8, dtype=np.float32), gguf.GGMLQuantizationType.F32)})
+    return models
+
+
+async def test_job_history_is_bounded(tmp_path: Path) -> None:
+    models = _models_with_m(tmp_path)
     jobs = JobManager(str(models), [CPUDevice()], Limits(job_history=3))
     try:
         for _ in range(6):
@@ -131,9 +137,7 @@ async def test_loads_beyond_the_mapping_limit_are_refused_at_submit(tmp_path: Pa
     from service.api.admission import MAPPINGS_PER_FILE
     from service.errors import BudgetExceededError
 
-    models = tmp_path / "models"
-    models.mkdir()
-    write_fixture(models / "m.gguf", tensors={"w": (np.ones(8, dtype=np.float32), gguf.GGMLQuantizationType.F32)})
+    models = _models_with_m(tmp_path)
     jobs = JobManager(str(models), [CPUDevice()], Limits())
     # room for the mappings of two mapped files
     jobs.reservations.mapping_capacity = 2 * MAPPINGS_PER_FILE
