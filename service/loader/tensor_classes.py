@@ -1,15 +1,43 @@
-"""What each weight is: its layer class (input, output or repeating layer ``blk.N``) and
-the op that consumes it (llama.cpp's ``llm_tensor_info`` table), from its GGUF name.
+"""What each weight is: its layer class (input, output or repeating layer N) and the op that
+consumes it, decided like llama.cpp: by the file's ``general.architecture`` and llama.cpp's
+tensor table (service/loader/tensor_table.py, generated from llama.cpp's ``LLM_TENSOR_NAMES``,
+``LLM_TENSOR_INFOS`` and each architecture's ``load_arch_tensors``).
 
 The layer class decides which buffer type list a tensor is placed with; the op decides
 whether a device can hold it (``weight_buft_supported``).
+
+How a name is decided:
+
+- Known architecture, name in its table: the kind's layer class and op, as llama.cpp's
+  ``create_tensor`` takes them: a ``bias`` weight feeds ``ADD`` (``ADD_ID`` for an expert
+  tensor), and on an architecture with a router layer a ``lora_a`` / ``lora_b`` weight feeds
+  ``MUL_MAT_ID``. A repeating weight belongs to the layer of the first number in its name
+  (``blk.N``, ``enc.blk.N``, ``dec.blk.N``, ``posnet.N``, ``convnext.N``), the layer index
+  llama.cpp picks the buffer type list with; a repeating weight without a number
+  (``rope_freqs``, ``token_embd_norm``, ``per_layer_model_proj``...) belongs to layer 0.
+  Kinds whose op is ``NONE`` are unused: llama.cpp ignores them (``model has unused
+  tensor``), and so does the plan.
+- Known architecture, name not in its table: llama.cpp never creates such a tensor and
+  refuses the file (``wrong number of tensors``). hoist still places it, by the rules for
+  an unknown architecture below, and the plan says so in a warning.
+- Unknown architecture (or none): llama.cpp refuses the file (``unknown model
+  architecture``). hoist classifies by name: a name any architecture's table spells takes
+  that kind (where two kinds spell the same name, the one more architectures use); other
+  names follow name rules (``blk.N.*``: repeating, ``*_exps`` -> ``MUL_MAT_ID``, norms ->
+  ``MUL``, the rest ``MUL_MAT``; other names: input, ``GET_ROWS``, kept on the CPU). The
+  plan warns that llama.cpp would not load the file.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cache
+from typing import Literal
+
+from service.loader.tensor_table import ARCHITECTURES, KINDS, LORA_EXPERTS, SUFFIXES, TIED_OUTPUT
 
 
 class LayerClass(StrEnum):
@@ -20,43 +48,162 @@ class LayerClass(StrEnum):
     REPEATING = "repeating"
 
 
+UNUSED_OP = "NONE"
+"""The op of a kind llama.cpp loads but never uses; such tensors are ignored."""
+
+Source = Literal["architecture", "table", "names"]
+
+
 @dataclass(frozen=True, slots=True)
 class TensorClass:
     """How a weight is used.
 
     Attributes:
         layer_class: input, output or repeating.
-        op: the ggml op that consumes the weight (``MUL_MAT``, ``GET_ROWS``, ...).
-        block: the repeating layer it belongs to (``blk.N`` gives N; repeating weights
-            without a block number, such as ``rope_freqs``, belong to layer 0, where
-            llama.cpp creates them); None for input and output weights.
+        op: the ggml op that consumes the weight (``MUL_MAT``, ``GET_ROWS``, ...;
+            :data:`UNUSED_OP` for a weight llama.cpp ignores).
+        block: the repeating layer it belongs to (see the module docstring); None for
+            input and output weights.
+        kind: llama.cpp's tensor kind (``LLM_TENSOR_`` name without the prefix), or None
+            when name rules decided.
+        source: ``architecture`` when the file's architecture's table has the name,
+            ``table`` when another architecture's table decided, ``names`` for name rules.
     """
 
     layer_class: LayerClass
     op: str
     block: int | None
+    kind: str | None = None
+    source: Source = "names"
+
+    @property
+    def unused(self) -> bool:
+        """llama.cpp loads no data for this weight (its kind's op is ``NONE``)."""
+        return self.op == UNUSED_OP
 
 
-_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_NUMBER = re.compile(r"[0-9]+")
+_SUFFIXES = frozenset(SUFFIXES)
+_MAX_LAYER_DIGITS = 18  # longer layer numbers are out of range anyway; int() of huge strings is slow
 
-# weights outside the repeating layers: base name -> (layer class, op)
-_TOP_LEVEL: dict[str, tuple[LayerClass, str]] = {
-    "token_embd": (LayerClass.INPUT, "GET_ROWS"),
-    "pos_embd": (LayerClass.INPUT, "GET_ROWS"),
-    "token_types": (LayerClass.INPUT, "GET_ROWS"),
-    "per_layer_token_embd": (LayerClass.INPUT, "GET_ROWS"),
-    "output": (LayerClass.OUTPUT, "MUL_MAT"),
-    "cls": (LayerClass.OUTPUT, "MUL_MAT"),
-    "cls.output": (LayerClass.OUTPUT, "MUL_MAT"),
-    "output_norm": (LayerClass.OUTPUT, "MUL"),
-    "enc.output_norm": (LayerClass.OUTPUT, "MUL"),
-    "dec.output_norm": (LayerClass.OUTPUT, "MUL"),
-    # norms of the embeddings run in the first layer, not the input layer
-    "token_embd_norm": (LayerClass.REPEATING, "MUL"),
-    "rope_freqs": (LayerClass.REPEATING, "ROPE"),
-    "rope_factors_long": (LayerClass.REPEATING, "ROPE"),
-    "rope_factors_short": (LayerClass.REPEATING, "ROPE"),
-}
+
+def _template_of(name: str) -> tuple[str, int | None, str | None]:
+    """``name`` as a template: dot-separated all-digit parts become ``%d``. Returns the
+    template, the first such number (None if none) and the suffix part (None if the last
+    part is not a suffix)."""
+    parts = name.split(".")
+    first: int | None = None
+    for i, part in enumerate(parts):
+        if _NUMBER.fullmatch(part):
+            if first is None:
+                first = int(part) if len(part) <= _MAX_LAYER_DIGITS else 10**_MAX_LAYER_DIGITS
+            parts[i] = "%d"
+    suffix = parts[-1] if len(parts) > 1 and parts[-1] in _SUFFIXES else None
+    return ".".join(parts), first, suffix
+
+
+def _op_for(kind: str, suffix: str | None, lora_experts: bool) -> str:
+    op = KINDS[kind][2]
+    assert op is not None
+    if op == UNUSED_OP:
+        return op
+    if suffix == "bias":
+        return "ADD_ID" if op == "MUL_MAT_ID" else "ADD"
+    if lora_experts and suffix in ("lora_a", "lora_b"):
+        return "MUL_MAT_ID"
+    return op
+
+
+def _from_kind(kind: str, first: int | None, suffix: str | None, lora_experts: bool, source: Source) -> TensorClass:
+    template, layer, _ = KINDS[kind]
+    assert layer is not None
+    layer_class = LayerClass(layer)
+    block = None
+    if layer_class is LayerClass.REPEATING:
+        # llama.cpp picks the layer's buffer type list with the number the name is built
+        # with; kinds without one are created with layer 0's
+        block = first if "%d" in template and first is not None else 0
+    return TensorClass(layer_class, _op_for(kind, suffix, lora_experts), block, kind, source)
+
+
+@dataclass(frozen=True)
+class ArchitectureTable:
+    """The tensor kinds of one architecture, by name template.
+
+    Attributes:
+        architecture: the ``general.architecture`` value (None: none given).
+        known: llama.cpp has a loader for it.
+        templates: name template -> kind (the architecture's kinds that have info).
+        tied_output: without an ``output`` weight, ``token_embd`` also serves as the output
+            weight (a second copy where the output layer's buffer type differs).
+        lora_experts: the architecture sets a router layer (``lora_a`` / ``lora_b`` ->
+            ``MUL_MAT_ID``).
+    """
+
+    architecture: str | None
+    known: bool
+    templates: dict[str, str]
+    tied_output: bool
+    lora_experts: bool
+
+    def classify(self, name: str) -> TensorClass:
+        """The layer class and op of the weight ``name`` (llama.cpp's
+        ``llm_tensor_info_for`` and the op choice of ``create_tensor``); see the module
+        docstring for names outside the table."""
+        template, first, suffix = _template_of(name)
+        candidates: list[tuple[str, str | None]] = [(template, None)]
+        if suffix is not None:
+            candidates.append((template.rpartition(".")[0], suffix))
+        sources: tuple[tuple[dict[str, str], Source], ...] = (
+            (self.templates, "architecture"),
+            (_all_templates(), "table"),
+        )
+        for templates, source in sources:
+            for tmpl, sfx in candidates:
+                kind = templates.get(tmpl)
+                if kind is not None:
+                    return _from_kind(kind, first, sfx, self.lora_experts, source)
+        return _by_name_rules(name)
+
+
+@cache
+def _all_templates() -> dict[str, str]:
+    """Template -> kind over every kind that has info; where kinds share a template, the
+    one more architectures use (then the first by name)."""
+    uses = Counter(k for kinds in ARCHITECTURES.values() for k in kinds)
+    out: dict[str, str] = {}
+    for kind in sorted(KINDS, key=lambda k: (-uses[k], k)):
+        template, layer, _ = KINDS[kind]
+        if layer is not None:
+            out.setdefault(template, kind)
+    return out
+
+
+@cache
+def table_for(architecture: str | None) -> ArchitectureTable:
+    """The table of ``architecture`` (an unknown one gets an empty table, so every name
+    is classified by the fallback rules)."""
+    kinds = ARCHITECTURES.get(architecture or "")
+    known = kinds is not None
+    templates = {KINDS[k][0]: k for k in kinds or () if KINDS[k][1] is not None}
+    return ArchitectureTable(
+        architecture=architecture,
+        known=known,
+        templates=templates,
+        tied_output=architecture in TIED_OUTPUT or not known,
+        lora_experts=architecture in LORA_EXPERTS,
+    )
+
+
+def classify(name: str, architecture: str | None = None) -> TensorClass:
+    """The layer class and op of the weight ``name`` in a file of ``architecture``
+    (``general.architecture``; None: classified as for an unknown architecture)."""
+    return table_for(architecture).classify(name)
+
+
+# --- name rules: for names no architecture's table spells ---------------------------------
+
+_BLOCK = re.compile(r"^blk\.([0-9]+)\.(.+)$")
 
 # ops of repeating-layer weights that are neither matrix products nor norms
 _BLOCK_OPS: dict[str, str] = {
@@ -73,7 +220,7 @@ _BLOCK_OPS: dict[str, str] = {
 
 def _base_and_suffix(name: str) -> tuple[str, str]:
     base, dot, suffix = name.rpartition(".")
-    return (base, suffix) if dot and suffix in ("weight", "bias", "scale") else (name, "")
+    return (base, suffix) if dot and suffix in _SUFFIXES else (name, "")
 
 
 def _block_op(base: str) -> str:
@@ -88,23 +235,17 @@ def _block_op(base: str) -> str:
     return "MUL_MAT"
 
 
-def classify(name: str) -> TensorClass:
-    """The layer class and op of the weight ``name``.
-
-    ``blk.N.*`` weights are repeating; their op follows their name (``*_exps`` ->
-    ``MUL_MAT_ID``, norms -> ``MUL``, biases -> ``ADD``, the rest ``MUL_MAT``). Known
-    top-level names follow llama.cpp's table; other top-level weights are treated as
-    input weights (kept on the CPU, like the embeddings).
-    """
+def _by_name_rules(name: str) -> TensorClass:
+    """``blk.N.*`` weights are repeating, their op from their name; other weights are
+    input weights (kept on the CPU, like the embeddings)."""
     m = _BLOCK.match(name)
     if m is not None:
         base, suffix = _base_and_suffix(m.group(2))
         op = _block_op(base)
         if suffix == "bias":
             op = "ADD_ID" if op == "MUL_MAT_ID" else "ADD"
-        return TensorClass(LayerClass.REPEATING, op, int(m.group(1)))
-    base, suffix = _base_and_suffix(name)
-    layer_class, op = _TOP_LEVEL.get(base, (LayerClass.INPUT, "GET_ROWS"))
-    if suffix == "bias":
-        op = "ADD"
-    return TensorClass(layer_class, op, 0 if layer_class is LayerClass.REPEATING else None)
+        digits = m.group(1)
+        block = int(digits) if len(digits) <= _MAX_LAYER_DIGITS else 10**_MAX_LAYER_DIGITS
+        return TensorClass(LayerClass.REPEATING, op, block)
+    _, suffix = _base_and_suffix(name)
+    return TensorClass(LayerClass.INPUT, "ADD" if suffix == "bias" else "GET_ROWS", None)

@@ -8,7 +8,7 @@ what a plan says is what a load allocates.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +26,8 @@ from service.loader.placement.params import (
     LoadMode,
     PlacementParams,
 )
-from service.loader.tensor_classes import LayerClass, classify
-from service.loader.weights import LLAMA_MAX_LAYERS, WeightIndex, layer_of
+from service.loader.tensor_classes import ArchitectureTable, LayerClass, TensorClass, table_for
+from service.loader.weights import LLAMA_MAX_LAYERS, WeightIndex
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +216,9 @@ class Plan:
         return data
 
 
-def model_n_layer(index: WeightIndex) -> int:
-    """Repeating layers: ``<arch>.block_count``, at least one past the highest ``blk.N``.
+def model_n_layer(index: WeightIndex, classes: Mapping[str, TensorClass] | None = None) -> int:
+    """Repeating layers: ``<arch>.block_count``, at least one past the highest layer a
+    repeating weight belongs to (``classes``: each weight's class; None: classified here).
 
     Raises:
         MetadataError: ``<arch>.block_count`` is above llama.cpp's ``LLAMA_MAX_LAYERS``.
@@ -237,7 +238,13 @@ def model_n_layer(index: WeightIndex) -> int:
             key=key,
             offset=entry.offset,
         )
-    highest, name = max(((layer_of(w), w) for w in index.weights), default=(-1, ""))
+    if classes is None:
+        table = table_for(arch if isinstance(arch, str) else None)
+        classes = {w: table.classify(w) for w in index.weights}
+    highest, name = max(
+        ((c.block, w) for w, c in classes.items() if c.block is not None and c.layer_class is LayerClass.REPEATING),
+        default=(-1, ""),
+    )
     if highest >= LLAMA_MAX_LAYERS:
         raise TensorInfoError(
             f"tensor '{name}' is in layer {highest}; llama.cpp loads at most {LLAMA_MAX_LAYERS} layers",
@@ -246,6 +253,32 @@ def model_n_layer(index: WeightIndex) -> int:
             offset=index.weights[name].info.info_offset,
         )
     return max(n, highest + 1)
+
+
+def _table_warnings(table: ArchitectureTable, index: WeightIndex, classes: Mapping[str, TensorClass]) -> list[str]:
+    """Where llama.cpp would refuse the file or ignore tensors (see tensor_classes)."""
+    out = []
+    if not table.known:
+        what = "names no architecture" if table.architecture is None else f"has architecture '{table.architecture}'"
+        out.append(
+            f"the file {what}, which llama.cpp cannot load (unknown model architecture); "
+            "its tensors are classified by their names"
+        )
+    else:
+        strays = [w for w, c in classes.items() if c.source != "architecture"]
+        if strays:
+            more = f" (and {len(strays) - 1} others)" if len(strays) > 1 else ""
+            out.append(
+                f"tensor '{strays[0]}'{more} is not one llama.cpp's '{table.architecture}' loader creates; "
+                "llama.cpp refuses such a file (wrong number of tensors); classified by name"
+            )
+    unused = [w for w, c in classes.items() if c.unused]
+    if unused:
+        more = f" (and {len(unused) - 1} others)" if len(unused) > 1 else ""
+        out.append(
+            f"model has unused tensor {unused[0]} (size = {index.weights[unused[0]].nbytes} bytes){more} -- ignoring"
+        )
+    return out
 
 
 def resolve_mmap(load_mode: LoadMode, devices: Sequence[Device]) -> bool:
@@ -266,6 +299,11 @@ def plan(
     match_budget_s: float | None = MATCH_BUDGET_SECONDS,
 ) -> Plan:
     """Place every tensor of ``index`` on ``devices`` as llama.cpp would.
+
+    Each weight's layer class, op and layer come from llama.cpp's tensor table for the
+    file's ``general.architecture`` (:mod:`service.loader.tensor_classes`); weights llama.cpp
+    ignores (op ``NONE``) are not placed; files llama.cpp would refuse for their
+    architecture or tensor names are planned all the same, with a warning.
 
     Pure: reads only metadata and the devices' memory figures; allocates nothing.
 
@@ -298,7 +336,13 @@ def plan(
     cpu_list = cpu_buft_list(devices, chosen, no_host=params.no_host)
     gpu_lists = {d.name: gpu_buft_list(d, params.split_mode, cpu_list) for d in chosen}
     points = split_points(chosen, params.tensor_split, cpu)
-    n_layer = model_n_layer(index)
+    arch = index.metadata.get("general.architecture")
+    table = table_for(arch if isinstance(arch, str) else None)
+    classes: dict[str, TensorClass] = {}
+    for name in index.weights:
+        check(cancel)
+        classes[name] = table.classify(name)
+    n_layer = model_n_layer(index, classes)
     ngl = n_layer + 1 if params.n_gpu_layers is None else params.n_gpu_layers
 
     def layer_list(il: int) -> tuple[Device, BuftList]:
@@ -322,6 +366,7 @@ def plan(
     warnings: list[str] = []
     if index.byte_order != "little":
         warnings.append(BIG_ENDIAN_WARNING)
+    warnings += _table_warnings(table, index, classes)
     moved: list[tuple[str, str, str, str]] = []
 
     def choose(name: str, ggml_type: str, op: str, buft_list: BuftList) -> tuple[Device, BufferType, int | None]:
@@ -356,7 +401,9 @@ def plan(
     placed: list[TensorPlacement] = []
     for w in index.weights.values():
         check(cancel)
-        cls = classify(w.name)
+        cls = classes[w.name]
+        if cls.unused:
+            continue  # llama.cpp loads no data for it
         lazy = (
             w.name in LAZY_ELIGIBLE
             and lazy_mode is not LazyMode.OFF
@@ -383,7 +430,7 @@ def plan(
         )  # fmt: skip
         bufts[buft.name] = (dev, buft)
 
-    if "output.weight" not in index.weights and "token_embd.weight" in index.weights:
+    if table.tied_output and "output.weight" not in index.weights and "token_embd.weight" in index.weights:
         # tied output: token_embd.weight also serves as the output weight; on another
         # buffer type than its input copy it is a second tensor there
         w = index.weights["token_embd.weight"]
