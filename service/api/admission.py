@@ -153,11 +153,12 @@ class Reservations:
         device = self.devices.get(memory)
         if device is None:
             return None
-        mem = device.memory()
-        if mem.total == 0:
-            return None
-        held = HOST_MEMORY.nbytes if device.type == "CPU" else device.held.nbytes
-        return mem.free + held, mem.free
+        if device.type == "CPU":
+            mem = device.memory()
+            capacity = mem.free + HOST_MEMORY.nbytes
+        else:
+            capacity, mem = device.capacity()
+        return None if mem.total == 0 else (capacity, mem.free)
 
     def shortfalls(self, owner: str, needs: dict[str, int]) -> list[Shortfall]:
         """The memories where ``needs`` does not fit beside the other owners'."""

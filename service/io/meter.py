@@ -11,7 +11,10 @@ class MemoryMeter:
 
     def __init__(self) -> None:
         self._nbytes = 0
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()
+        """Held while the count changes; a device holds it across an allocation or a
+        free and the change of count, so that free memory and the count read under it
+        agree."""
 
     @property
     def nbytes(self) -> int:
@@ -20,7 +23,7 @@ class MemoryMeter:
 
     def add(self, nbytes: int) -> None:
         """Count ``nbytes`` more (negative: fewer)."""
-        with self._lock:
+        with self.lock:
             self._nbytes += nbytes
 
 

@@ -182,6 +182,7 @@ def test_listings_are_paged_and_compact(live_server: str, models_dir: Path) -> N
         assert client.get("/v1/loads", params={"offset": 5}).json() == {"data": [], "total": 3}
         is_problem(client.get("/v1/loads", params={"limit": 0}), 422)
         is_problem(client.get("/v1/loads", params={"limit": 10**6}), 422)
+        is_problem(client.get("/v1/loads", params={"offset": 10**30}), 422)
         # listings carry a summary of the memory, the model itself its report
         models = client.get("/v1/models").json()["data"]
         assert len(models) == 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,7 @@ class DeviceBuffer(ABC):
     buffer_type: BufferType
     nbytes: int
     _release_hooks: list[Callable[[], None]] | None = None
+    _guard: AbstractContextManager[Any] | None = None
 
     def on_release(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` once when the buffer is freed."""
@@ -142,9 +144,15 @@ class DeviceBuffer(ABC):
     def read(self, offset: int, nbytes: int) -> bytes:
         """Copy ``nbytes`` at ``offset`` back to the host."""
 
-    @abstractmethod
     def free(self) -> None:
         """Release the memory. Idempotent."""
+        with self._guard or nullcontext():
+            self._free()
+
+    @abstractmethod
+    def _free(self) -> None:
+        """Release the memory and run the release hooks, once (the device's own work;
+        :meth:`free` calls it under the device's guard)."""
 
 
 class ArrayBuffer(DeviceBuffer):
@@ -184,7 +192,7 @@ class ArrayBuffer(DeviceBuffer):
     def read(self, offset: int, nbytes: int) -> bytes:
         return self.data[offset : offset + nbytes].tobytes()
 
-    def free(self) -> None:
+    def _free(self) -> None:
         if self._data is not None:
             self._data = None
             if self._on_free is not None:
@@ -266,12 +274,29 @@ class Device(ABC):
         Raises:
             OutOfMemoryError: the device cannot allocate ``nbytes``.
         """
-        buf = self._alloc(buffer_type, nbytes)
-        meter = HOST_MEMORY if buffer_type.is_host else self.held
-        size = buf.nbytes
-        meter.add(size)
-        buf.on_release(lambda: meter.add(-size))
+        if buffer_type.is_host:
+            buf = self._alloc(buffer_type, nbytes)
+            size = buf.nbytes
+            HOST_MEMORY.add(size)
+            buf.on_release(lambda: HOST_MEMORY.add(-size))
+            return buf
+        # device memory: allocated (or freed) and counted as one step, so that
+        # :meth:`capacity` never sees the memory gone from both or counted in both
+        with self.held.lock:
+            buf = self._alloc(buffer_type, nbytes)
+            size = buf.nbytes
+            self.held.add(size)
+            buf._guard = self.held.lock
+            buf.on_release(lambda: self.held.add(-size))
         return buf
+
+    def capacity(self) -> tuple[int, DeviceMemory]:
+        """The device memory this process can use now, in bytes (free memory plus what
+        its buffers hold on the device), and the memory it was computed from; read
+        consistently with allocations and frees."""
+        with self.held.lock:
+            mem = self.memory()
+            return mem.free + self.held.nbytes, mem
 
     @abstractmethod
     def _alloc(self, buffer_type: BufferType, nbytes: int) -> DeviceBuffer:

@@ -61,7 +61,7 @@ class CUDABuffer(DeviceBuffer):
     def read(self, offset: int, nbytes: int) -> bytes:
         return bytes(self.tensor[offset : offset + nbytes].cpu().numpy().tobytes())
 
-    def free(self) -> None:
+    def _free(self) -> None:
         if self._tensor is not None:
             self._tensor = None
             self._released()
