@@ -1,7 +1,10 @@
-"""GGUF fixtures written with the gguf package's writer, and what they contain."""
+"""GGUF fixtures written with the gguf package's writer (or as raw bytes, where the gguf
+package's sizes lag ggml's), and what they contain. Block sizes come from hoist's ggml
+type table."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,9 +55,17 @@ class Fixture:
     alignment: int = 32
 
 
-def quantized_bytes(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarray:
+def type_sizes(qtype: int) -> tuple[int, int]:
+    """(block size, type size) of the ggml type id ``qtype``, from hoist's table."""
+    from service.loader.ggml_types import GGML_TYPES
+
+    t = GGML_TYPES[int(qtype)]
+    return t.block_size, t.type_size
+
+
+def quantized_bytes(rng: np.random.Generator, qtype: int, rows: int, cols: int) -> np.ndarray:
     """Random block bytes of a ``rows x cols`` tensor of ``qtype``, shaped (rows, row bytes)."""
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    block, size = type_sizes(qtype)
     return rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
 
 
@@ -200,6 +211,22 @@ def raw_gguf(
     return head + b"\0" * pad + data
 
 
+def gguf_file(
+    tensors: Sequence[tuple[str | bytes, list[int], int, bytes]],
+    kvs: Sequence[bytes] | None = None,
+    *,
+    alignment: int = 32,
+) -> bytes:
+    """A whole little-endian file holding ``tensors`` (name, ne, ggml type id, data), laid
+    out as ``gguf.cpp`` expects: offsets in order, each tensor's data padded to the
+    alignment."""
+    infos, data = [], b""
+    for name, ne, type_id, payload in tensors:
+        infos.append(gguf_tensor_info(name, ne, type_id, len(data)))
+        data += payload + b"\0" * ((-len(payload)) % alignment)
+    return raw_gguf(list(kvs or []), infos, data, alignment=alignment)
+
+
 def block_model(
     path: Path,
     n_blocks: int,
@@ -233,7 +260,7 @@ SCALE_FIELDS: dict[Q, tuple[int, ...]] = {Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: 
 def finite_quant(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarray:
     """Random blocks of ``qtype`` whose scales are all 1.0 (valid for check-tensors)."""
     data = quantized_bytes(rng, qtype, rows, cols)
-    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    _, size = type_sizes(qtype)
     blocks = data.reshape(-1, size)
     for at in SCALE_FIELDS[qtype]:
         blocks[:, at : at + 2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
@@ -242,7 +269,7 @@ def finite_quant(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np
 
 def set_scale(data: np.ndarray, qtype: Q, block: int, value: float, field: int = 0) -> None:
     """Write ``value`` (as f16) into scale field ``field`` of block ``block`` of ``data``."""
-    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    _, size = type_sizes(qtype)
     at = SCALE_FIELDS[qtype][field]
     flat = data.reshape(-1)
     flat[block * size + at : block * size + at + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)

@@ -93,7 +93,7 @@ def test_inspect_survives_hostile_metadata(tmp_path: Path) -> None:
     data = json.loads(hoist("inspect", "--json", str(path)).stdout)
     assert data["architecture"] is None and data["file_type"] is None
     values = {m["key"]: m["value"] for m in data["metadata"]}
-    assert values["f.nan"] == "nan" and values["f.arr"] == ["inf", 1.5]
+    assert values["f.nan"] == "nan:0x7fc00000" and values["f.arr"] == ["inf:0x7ff0000000000000", 1.5]
     text = hoist("inspect", str(path))
     assert text.returncode == 0, text.stderr
     assert "\x1b" not in text.stdout and "\\x1b" in text.stdout

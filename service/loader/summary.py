@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from collections import Counter
 from typing import Any, TextIO
 
+import numpy as np
 from gguf import GGUFValueType
 
 from service.loader.file_types import file_type_name
-from service.loader.gguf import GGUFArray
+from service.loader.gguf import GGUFArray, GGUFFloat, GGUFString
+from service.loader.gguf.values import is_utf8
 from service.loader.weights import WeightIndex
 
 MiB = 1 << 20
@@ -32,21 +35,74 @@ def size_text(nbytes: int, n_elements: int) -> str:
     return f"{nbytes / GiB:.2f} GiB ({bpw:.2f} BPW)"
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no NaN or infinity: such floats become the strings ``nan``, ``inf``, ``-inf``."""
-    if isinstance(value, float) and not math.isfinite(value):
+_FLOAT_ARRAYS = (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)
+
+
+def nonfinite_text(bits: int, width: int) -> str:
+    """How JSON shows a float that is not finite: ``nan``, ``inf`` or ``-inf``, a colon and
+    the bit pattern in hex at the value's width (``nan:0x7f861e36``, ``-inf:0xfff0000000000000``)."""
+    exponent_bits = 8 if width == 4 else 11
+    mantissa = bits & ((1 << (8 * width - 1 - exponent_bits)) - 1)
+    negative = bits >> (8 * width - 1)
+    kind = "nan" if mantissa else ("-inf" if negative else "inf")
+    return f"{kind}:0x{bits:0{2 * width}x}"
+
+
+def float_json(value: float) -> float | str:
+    """A float as JSON data, bit-exact: a finite value is a number (read back and rounded to
+    the value's width it gives the same bits); NaN and infinities, which JSON cannot hold,
+    are strings with their bit pattern (:func:`nonfinite_text`). A plain ``float`` counts
+    as 8 bytes wide."""
+    if math.isfinite(value):
+        return float(value)
+    if isinstance(value, GGUFFloat):
+        return nonfinite_text(value.bits, value.width)
+    return nonfinite_text(struct.unpack("<Q", struct.pack("<d", value))[0], 8)
+
+
+def _json_scalar(value: Any) -> Any:
+    if isinstance(value, float):
+        return float_json(value)
+    if isinstance(value, GGUFString):
         return str(value)
     return value
 
 
 def value_json(value: Any, *, max_items: int | None = None) -> Any:
-    """A KV value as JSON data; arrays cut to ``max_items`` elements when given."""
+    """A KV value as JSON data; arrays cut to ``max_items`` elements when given. Floats
+    are given by :func:`float_json`; strings as text, invalid UTF-8 shown as U+FFFD (see
+    :func:`raw_hex` for their bytes)."""
     if isinstance(value, GGUFArray):
         items = value.to_list() if max_items is None else value.head(max_items)
-        if value.element_type in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
-            return [_finite(v) for v in items]
-        return items
-    return _finite(value)
+        return [_json_scalar(v) for v in items]
+    return _json_scalar(value)
+
+
+def raw_hex(value: Any, *, max_items: int | None = None) -> str | dict[str, str] | None:
+    """The exact bytes of the strings of a KV value that are not valid UTF-8, in hex: for a
+    STRING value, its bytes; for a string array, element index -> bytes of each such
+    element (among the first ``max_items`` when given); ``None`` when every string is
+    valid UTF-8 (the text is then exact)."""
+    if isinstance(value, GGUFString):
+        return None if value.valid_utf8 else value.raw.hex()
+    if isinstance(value, GGUFArray) and value.element_type == GGUFValueType.STRING:
+        invalid: dict[str, str] = {}
+        for i, raw in enumerate(value.iter_string_bytes()):
+            if max_items is not None and i >= max_items:
+                break
+            if not is_utf8(raw):
+                invalid[str(i)] = raw.hex()
+        return invalid or None
+    return None
+
+
+def _json_floats(values: np.ndarray[Any, Any], bits: np.ndarray[Any, Any]) -> list[Any]:
+    """Float array elements as JSON data, bit-exact (see :func:`float_json`)."""
+    out: list[Any] = values.tolist()
+    width = values.dtype.itemsize
+    for i in np.flatnonzero(~np.isfinite(values)).tolist():
+        out[i] = nonfinite_text(int(bits[i]), width)
+    return out
 
 
 _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
@@ -58,14 +114,25 @@ def printable(text: str) -> str:
     return text.translate(_CONTROL)
 
 
+def _scalar_text(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(float_json(value))
+    if isinstance(value, str):
+        return repr(str(value))
+    return repr(value)
+
+
 def value_text(value: Any, *, max_items: int = 8) -> str:
-    """A KV value shortened for a table: long arrays show their head and length."""
+    """A KV value shortened for a table: long arrays show their head and length; NaN and
+    infinities with their bits as in JSON."""
     if isinstance(value, GGUFArray):
-        head = ", ".join(repr(v) for v in value.head(max_items))
+        head = ", ".join(_scalar_text(v) for v in value.head(max_items))
         more = f", ... ({value.count} items)" if value.count > max_items else ""
         return printable(f"[{head}{more}]")
     if isinstance(value, str):
-        return printable(repr(value if len(value) <= 120 else value[:117] + "..."))
+        return printable(repr(str(value) if len(value) <= 120 else value[:117] + "..."))
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(float_json(value))
     return str(value)
 
 
@@ -89,7 +156,7 @@ def write_json(data: Any, out: TextIO, *, indent: int = 0) -> None:
         out.write(pad + "}")
     elif isinstance(data, list | tuple):
         if not data or all(not isinstance(v, dict | list | tuple | GGUFArray) for v in data):
-            out.write(json.dumps([_finite(v) for v in data], allow_nan=False))
+            out.write(json.dumps([_json_scalar(v) for v in data], allow_nan=False))
             return
         out.write("[\n")
         for i, value in enumerate(data):
@@ -104,12 +171,30 @@ def write_json(data: Any, out: TextIO, *, indent: int = 0) -> None:
                 out.write(("," if i else "") + json.dumps(raw.decode("utf-8", "replace")))
         else:
             values = data.numpy()
+            bits = data.float_bits() if data.element_type in _FLOAT_ARRAYS else None
             for start in range(0, len(values), _CHUNK):
-                chunk = [_finite(v) for v in values[start : start + _CHUNK].tolist()]
+                part = slice(start, start + _CHUNK)
+                chunk = values[part].tolist() if bits is None else _json_floats(values[part], bits[part])
                 out.write(("," if start else "") + json.dumps(chunk, allow_nan=False)[1:-1])
         out.write("]")
     else:
-        out.write(json.dumps(_finite(data), allow_nan=False))
+        out.write(json.dumps(_json_scalar(data), allow_nan=False))
+
+
+def _kv_json(key: str, type_name: str, value: Any, max_items: int | None, lazy_arrays: bool) -> dict[str, Any]:
+    """One metadata entry: ``key``, ``type``, ``value`` and, when a string in it is not
+    valid UTF-8, ``raw_hex`` (:func:`raw_hex`)."""
+    entry: dict[str, Any] = {
+        "key": key,
+        "type": type_name,
+        "value": value
+        if lazy_arrays and max_items is None and isinstance(value, GGUFArray)
+        else value_json(value, max_items=max_items),
+    }
+    raw = raw_hex(value, max_items=max_items)
+    if raw is not None:
+        entry["raw_hex"] = raw
+    return entry
 
 
 def summarize(index: WeightIndex, *, max_items: int | None = None, lazy_arrays: bool = False) -> dict[str, Any]:
@@ -152,16 +237,7 @@ def summarize(index: WeightIndex, *, max_items: int | None = None, lazy_arrays: 
             }
             for i, f in enumerate(index.files)
         ],
-        "metadata": [
-            {
-                "key": e.key,
-                "type": e.type_name,
-                "value": e.value
-                if lazy_arrays and max_items is None and isinstance(e.value, GGUFArray)
-                else value_json(e.value, max_items=max_items),
-            }
-            for e in meta.kv.values()
-        ],
+        "metadata": [_kv_json(e.key, e.type_name, e.value, max_items, lazy_arrays) for e in meta.kv.values()],
         "tensors": [
             {
                 "name": w.name,

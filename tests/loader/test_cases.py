@@ -49,7 +49,7 @@ ERRORS: dict[str, tuple[type[HoistError], list[str], int | None]] = {
     "t1_offset_33.gguf": (TensorInfoError, ["'t1'", "offset 33", "not a multiple of the alignment 32"], None),
     "t1_offset_36_misaligned.gguf": (TensorInfoError, ["'t1'", "not a multiple of the alignment 32"], None),
     "t1_offset_36_laid_out.gguf": (TensorInfoError, ["'t1'", "not a multiple of the alignment 32"], None),
-    "ndims_5.gguf": (TensorInfoError, ["'t0'", "n_dims 5", "1 to 4"], 79),
+    "ndims_5.gguf": (TensorInfoError, ["'t0'", "n_dims 5", "0 to 4"], 79),
     "ndims_ffffffff.gguf": (TensorInfoError, ["'t0'", "n_dims 4294967295"], 79),
     "type_39_or_unknown_1000.gguf": (TensorInfoError, ["'t0'", "unknown ggml type 1000", "newer"], 91),
     "q4k_row_100.gguf": (TensorInfoError, ["'t0'", "ne[0] = 100", "Q4_K block size 256"], None),

@@ -249,14 +249,16 @@ def test_empty_arrays_and_strings(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("info", "error", "phrase"),
     [
-        (_f32_info(""), TensorInfoError, "empty name"),
+        (_f32_info(b"a\0b"), TensorInfoError, "contains a NUL byte"),
         (_f32_info("x" * 64), TensorInfoError, "64 bytes long, at most 63"),
         (_f32_info("t", [8, -1]), TensorInfoError, "dimension 1 is -1"),
         (_f32_info("t", [2**62, 2**62]), TensorInfoError, "element count overflows"),
-        (gguf_tensor_info("t", [8], 4, 0), TensorInfoError, "unknown ggml type 4"),
+        (gguf_tensor_info("t", [8], 4, 0), TensorInfoError, r"ggml type 4 \(Q4_2\), which ggml no longer"),
+        (gguf_tensor_info("t", [32], 31, 0), TensorInfoError, r"ggml type 31 \(Q4_0_4_4\), which ggml no longer"),
+        (gguf_tensor_info("t", [32], 43, 0), TensorInfoError, "unknown ggml type 43"),
         (gguf_tensor_info("t", [8], -1, 0), TensorInfoError, "unknown ggml type -1"),
         (_f32_info("t", [8], 32), TensorInfoError, "offset 32, expected 0"),
-        (gguf_tensor_info("t", [], F32, 0), TensorInfoError, "n_dims 0"),
+        (gguf_tensor_info("t", [], 2, 0), TensorInfoError, r"ne\[0\] = 1, not a multiple of the Q4_0 block size 32"),
     ],
 )
 def test_bad_tensor_infos(tmp_path: Path, info: bytes, error: type, phrase: str) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -28,10 +27,10 @@ from service.loader.tensor_classes import UNUSED_OP, LayerClass, classify, table
 from service.loader.tensor_table import ARCHITECTURES, KINDS, LORA_EXPERTS, SUFFIXES, TIED_OUTPUT
 from service.loader.weights import open_model
 from tests.helpers import write_fixture
+from tests.llama_src import require_llama_cpp
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "tensor_table.py"
-VENDORED = Path(os.environ.get("LLAMA_CPP_SRC", "/work/llama-src/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 
 R, IN, OUT = LayerClass.REPEATING, LayerClass.INPUT, LayerClass.OUTPUT
 
@@ -198,10 +197,10 @@ def test_unknown_architecture_and_strays() -> None:
 # -- the generator ----------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not VENDORED.is_dir(), reason="no vendored llama.cpp source tree here")
 def test_generated_table_matches_vendored_source() -> None:
+    tree = require_llama_cpp()
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(VENDORED), "--check"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(SCRIPT), str(tree), "--check"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
 

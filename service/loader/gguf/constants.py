@@ -14,10 +14,11 @@ DEFAULT_ALIGNMENT = 32
 KEY_ALIGNMENT = "general.alignment"
 
 MAX_NAME_BYTES = 63
-"""Longest tensor name (``GGML_MAX_NAME`` is 64 including the terminating NUL)."""
+"""Longest tensor name (``GGML_MAX_NAME`` is 64 including the terminating NUL). A name
+may be empty."""
 
 MAX_DIMS = 4
-"""``GGML_MAX_DIMS``."""
+"""``GGML_MAX_DIMS``: a tensor info declares 0 (a scalar) to 4 dimensions."""
 
 MAX_STRING_BYTES = 1 << 30
 """``GGUF_MAX_STRING_LENGTH``: longest string value or key, in bytes."""
@@ -63,5 +64,6 @@ NUMPY_CODES: dict[GGUFValueType, str] = {
 # smallest encodings, used to bound counts by the bytes that remain before looping
 MIN_KV_NBYTES = 8 + 1 + 4 + 1
 """key length, a 1-byte key, value type, a 1-byte value."""
-MIN_TENSOR_INFO_NBYTES = 8 + 1 + 4 + 8 + 4 + 8
-"""name length, a 1-byte name, n_dims, one dimension, ggml type, offset."""
+MIN_TENSOR_INFO_NBYTES = 8 + 4 + 4 + 8
+"""name length (the name may be empty), n_dims (0 for a scalar: no dimensions), ggml type,
+offset."""

@@ -39,7 +39,7 @@ from service.errors import (
 )
 from service.io.align import align_up
 from service.io.file import check_inside, open_readonly
-from service.loader.ggml_types import GGML_TYPES, GGMLType
+from service.loader.ggml_types import GGML_TYPE_COUNT, GGML_TYPES, REMOVED_GGML_TYPES, GGMLType
 from service.loader.gguf.constants import (
     DEFAULT_ALIGNMENT,
     GGUF_MAGIC,
@@ -55,9 +55,9 @@ from service.loader.gguf.constants import (
     SCALAR_FORMATS,
     SUPPORTED_VERSIONS,
 )
-from service.loader.gguf.values import GGUFArray
+from service.loader.gguf.values import GGUFArray, GGUFFloat, GGUFString
 
-KVValue = bool | int | float | str | GGUFArray
+KVValue = bool | int | GGUFFloat | GGUFString | GGUFArray
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,9 @@ class KVEntry:
     Attributes:
         key: the key (``general.architecture``, ...).
         type: the value type (``ARRAY`` for arrays; see ``value.element_type``).
-        value: a Python scalar, a ``str``, or a :class:`GGUFArray`.
+        value: ``bool`` or ``int`` for integer types, :class:`GGUFFloat` (a ``float``
+            with its exact bits) for FLOAT32 / FLOAT64, :class:`GGUFString` (a ``str``
+            with its exact bytes) for STRING, or a :class:`GGUFArray`.
         offset: byte offset of the pair in the file.
     """
 
@@ -89,9 +91,11 @@ class TensorInfo:
     """One tensor info of a GGUF file.
 
     Attributes:
-        name: the tensor name (at most 63 bytes of UTF-8).
-        ne: dimensions in ggml order: ``ne[0]`` is the row length (fastest-varying), so
-            the numpy shape of the data is ``ne`` reversed.
+        name: the tensor name (at most 63 bytes of UTF-8, no NUL; may be empty).
+        ne: the ``n_dims`` dimensions the file declares, in ggml order: ``ne[0]`` is the
+            row length (fastest-varying), so the numpy shape of the data is ``ne``
+            reversed. ``()`` for a scalar (``n_dims`` 0); ggml counts every dimension not
+            declared as 1.
         ggml_type: the ggml type of the elements.
         offset: byte offset of the data from the start of the file's data section.
         nbytes: size of the data in bytes (``ggml_nbytes``).
@@ -106,8 +110,14 @@ class TensorInfo:
     info_offset: int
 
     @property
+    def ggml_ne(self) -> tuple[int, int, int, int]:
+        """The four dimensions ggml gives the tensor: ``ne`` padded with 1s."""
+        ne = (*self.ne, 1, 1, 1, 1)
+        return (ne[0], ne[1], ne[2], ne[3])
+
+    @property
     def n_elements(self) -> int:
-        """Number of elements (product of ``ne``)."""
+        """Number of elements (product of ``ne``; 1 for a scalar)."""
         n = 1
         for d in self.ne:
             n *= d
@@ -514,6 +524,13 @@ class _Parser:
             ) from exc
         if not key:
             raise MetadataError(f"the key of KV pair {index} is empty", path=self.path, offset=start)
+        if "\0" in key:
+            raise MetadataError(
+                f"the key of KV pair {index} contains a NUL byte ({raw_key[:64]!r})",
+                path=self.path,
+                offset=start,
+                hint="names are compared up to their first NUL in llama.cpp, so such a key could match another",
+            )
         if key in seen:
             raise MetadataError(
                 f"duplicate key '{key}' (KV pair {index}; first at byte {seen[key].offset})",
@@ -550,8 +567,14 @@ class _Parser:
 
     def _value(self, key: str, vtype: GGUFValueType) -> KVValue:
         if vtype == GGUFValueType.STRING:
-            return self.raw_string(f"the value of key '{key}'", key=key).decode("utf-8", "replace")
+            return GGUFString(self.raw_string(f"the value of key '{key}'", key=key))
         fmt, nbytes = SCALAR_FORMATS[vtype]
+        if vtype in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
+            # through the bits, never a C float: a signalling NaN keeps its payload
+            self._need(nbytes, f"the value of key '{key}'")
+            raw = bytes(self.data[self.pos : self.pos + nbytes])
+            self.pos += nbytes
+            return GGUFFloat.from_bytes(raw, self.endian)
         value = self._scalar(fmt, nbytes, f"the value of key '{key}'")
         if vtype == GGUFValueType.BOOL:
             return bool(value)
@@ -635,14 +658,19 @@ class _Parser:
     def _tensor_info(self, index: int, seen: dict[str, TensorInfo]) -> TensorInfo:
         start = self.pos
         raw = self.raw_string(f"the name of tensor {index}", limit=MAX_NAME_BYTES)
-        if not raw:
-            raise TensorInfoError(f"tensor {index} has an empty name", path=self.path, offset=start)
         try:
             name = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise TensorInfoError(
                 f"the name of tensor {index} is not valid UTF-8 ({raw!r})", path=self.path, offset=start
             ) from exc
+        if "\0" in name:
+            raise TensorInfoError(
+                f"the name of tensor {index} contains a NUL byte ({raw!r})",
+                path=self.path,
+                offset=start,
+                hint="llama.cpp cuts tensor names at the first NUL, so two such names could collide",
+            )
         if name in seen:
             raise TensorInfoError(
                 f"duplicate tensor name '{name}' (tensor {index}; first at byte {seen[name].info_offset})",
@@ -652,9 +680,9 @@ class _Parser:
             )
         dims_offset = self.pos
         n_dims = self.u32(f"the n_dims of tensor '{name}'")
-        if not 1 <= n_dims <= MAX_DIMS:
+        if n_dims > MAX_DIMS:
             raise TensorInfoError(
-                f"tensor '{name}' has n_dims {n_dims}, it must be 1 to {MAX_DIMS}",
+                f"tensor '{name}' has n_dims {n_dims}, it must be 0 to {MAX_DIMS}",
                 path=self.path,
                 tensor=name,
                 offset=dims_offset,
@@ -682,18 +710,11 @@ class _Parser:
             )
         type_offset = self.pos
         type_id = self.i32(f"the ggml type of tensor '{name}'")
-        ggml_type = GGML_TYPES.get(type_id)
-        if ggml_type is None:
+        ggml_type = self._ggml_type(name, type_id, type_offset)
+        ne0 = ne[0] if ne else 1  # ggml counts undeclared dimensions as 1
+        if ne0 % ggml_type.block_size:
             raise TensorInfoError(
-                f"tensor '{name}' has unknown ggml type {type_id}",
-                path=self.path,
-                tensor=name,
-                offset=type_offset,
-                hint="the file may use a quantization newer than this hoist knows",
-            )
-        if ne[0] % ggml_type.block_size:
-            raise TensorInfoError(
-                f"tensor '{name}' has ne[0] = {ne[0]}, not a multiple of the {ggml_type.name} "
+                f"tensor '{name}' has ne[0] = {ne0}, not a multiple of the {ggml_type.name} "
                 f"block size {ggml_type.block_size}",
                 path=self.path,
                 tensor=name,
@@ -702,7 +723,7 @@ class _Parser:
         nbytes = ggml_type.nbytes(tuple(ne))
         # the layout (strides) of the tensor must be representable even when a dimension
         # is 0, so the size with zero dimensions counted as 1 must fit in 63 bits
-        layout_ne = (max(ne[0], ggml_type.block_size), *(max(d, 1) for d in ne[1:]))
+        layout_ne = (max(ne0, ggml_type.block_size), *(max(d, 1) for d in ne[1:]))
         if ggml_type.nbytes(layout_ne) > INT64_MAX:
             raise TensorInfoError(
                 f"tensor '{name}' has shape {tuple(ne)}: its size in bytes overflows 63 bits",
@@ -712,6 +733,29 @@ class _Parser:
             )
         offset = self.u64(f"the data offset of tensor '{name}'")
         return TensorInfo(name, tuple(ne), ggml_type, offset, nbytes, start)
+
+    def _ggml_type(self, name: str, type_id: int, offset: int) -> GGMLType:
+        """The ggml type of id ``type_id``, which must be in ``[0, GGML_TYPE_COUNT)`` and not
+        removed (``gguf.cpp`` sees block size 0 for a removed type and refuses it)."""
+        ggml_type = GGML_TYPES.get(type_id)
+        if ggml_type is not None:
+            return ggml_type
+        removed = REMOVED_GGML_TYPES.get(type_id)
+        if removed is not None:
+            raise TensorInfoError(
+                f"tensor '{name}' has ggml type {type_id} ({removed.name}), which ggml no longer supports",
+                path=self.path,
+                tensor=name,
+                offset=offset,
+                hint="convert or quantize the model again with a current llama.cpp",
+            )
+        raise TensorInfoError(
+            f"tensor '{name}' has unknown ggml type {type_id}, ggml types are 0 to {GGML_TYPE_COUNT - 1}",
+            path=self.path,
+            tensor=name,
+            offset=offset,
+            hint="the file may use a quantization newer than this hoist knows",
+        )
 
     def _check_layout(self, tensors: list[TensorInfo], alignment: int) -> None:
         """Each tensor's offset is a multiple of the alignment and follows the previous
