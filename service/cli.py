@@ -1,7 +1,8 @@
-"""The ``hoist`` command: ``serve``, ``inspect``, ``load``, ``sample`` and ``demo``.
+"""The ``hoist`` command: ``serve``, ``inspect``, ``devices``, ``plan``, ``load``,
+``sample`` and ``demo``.
 
-Errors hoist anticipates are printed as one line on stderr with a non-zero exit status,
-never as a traceback.
+Errors hoist anticipates are printed as one line on stderr with a non-zero exit status
+(:data:`EXIT_ERROR`, :data:`EXIT_USAGE`, :data:`EXIT_DOES_NOT_FIT`), never as a traceback.
 """
 
 from __future__ import annotations
@@ -22,10 +23,19 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from service import __version__
-from service.errors import HoistError
+from service.errors import BudgetExceededError, HoistError
 from service.loader import pipeline
 from service.loader.devices import Device, discover_devices, parse_size
-from service.loader.placement import LoadMode, PlacementParams, Plan, make_params, plan
+from service.loader.placement import (
+    LazyMode,
+    LoadMode,
+    MemorySnapshot,
+    PlacementParams,
+    Plan,
+    SplitMode,
+    make_params,
+    plan,
+)
 from service.loader.summary import printable, summarize, value_text, write_json
 from service.loader.weights import open_model
 
@@ -35,6 +45,15 @@ out = Console(highlight=False, soft_wrap=True, markup=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 DEFAULT_MODELS_DIR = "models"
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+"""A file, flag value, placement or load hoist refuses (the message says which)."""
+EXIT_USAGE = 2
+"""The command line itself: an unknown option, a missing or doubled model path."""
+EXIT_DOES_NOT_FIT = 3
+"""The model does not fit the devices' free memory (``plan`` says so; ``load`` refuses)."""
+EXIT_INTERRUPTED = 130
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -70,7 +89,7 @@ def _columns(rows: Sequence[tuple[str, ...]], right: frozenset[int] = frozenset(
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    index = open_model(args.path)
+    index = open_model(args.model)
     if args.json:
         write_json(summarize(index, lazy_arrays=True), sys.stdout)
         sys.stdout.write("\n")
@@ -153,7 +172,7 @@ def _layer_ranges(layers: dict[str, str]) -> str:
 
 def _print_plan(p: Plan, *, verbose: bool = False) -> None:
     devices = ", ".join(p.devices) or "none (CPU only)"
-    err.print(f"devices: {devices}; load mode: {p.effective_load_mode.value}")
+    err.print(f"devices: {devices}; load mode: {escape(p.load_mode_label)}")
     err.print(f"layers: {_layer_ranges(p.layers)}")
     for w in p.warnings:
         err.print(f"[yellow]warning:[/yellow] {escape(w)}")
@@ -191,19 +210,19 @@ def cmd_devices(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     devices = _devices(args)
     params = _params(args, devices)
-    index = open_model(args.path)
-    p = plan(index, devices, params)
+    index = open_model(args.model)
+    p = plan(index, devices, params, memory=MemorySnapshot.take(devices))
     if args.json:
         sys.stdout.write(json.dumps(p.to_dict(), indent=1) + "\n")
     else:
         _print_plan(p, verbose=args.verbose)
-    return 0
+    return EXIT_OK if p.fits else EXIT_DOES_NOT_FIT
 
 
 async def _load(args: argparse.Namespace) -> int:
     devices = _devices(args)
     params = _params(args, devices)
-    index = await asyncio.to_thread(open_model, args.path)
+    index = await asyncio.to_thread(open_model, args.model)
     start = time.perf_counter()
     bar = _progress_bar()
     task = bar.add_task("load", total=index.nbytes)
@@ -236,7 +255,7 @@ async def _load(args: argparse.Namespace) -> int:
             }
             sys.stdout.write(json.dumps(data, indent=1) + "\n")
         else:
-            err.print(f"loaded {len(model)} tensors in {seconds:.2f} s ({model.plan.load_mode.value})")
+            err.print(f"loaded {len(model)} tensors in {seconds:.2f} s")
             for warning in model.warnings:
                 if warning not in model.plan.warnings:  # those come with the plan
                     err.print(f"[yellow]warning:[/yellow] {escape(warning)}")
@@ -403,8 +422,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser -------------------------------------------------------------------------------
 
 
-def _device_options() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
+class Parser(argparse.ArgumentParser):
+    """An argument parser that takes option names only as written: no abbreviation is
+    ever guessed (``-m`` is not ``-mg``, ``-n`` is not ``-ngl``, ``--no-h`` is not
+    ``--no-host``), and no value is glued to an option name (``-mPATH``); ``-ngl=5``
+    still works. Python 3.11's ``allow_abbrev=False`` leaves single-dash prefixes to be
+    expanded, so this parser refuses them itself."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _get_option_tuples(self, option_string: str) -> list[tuple[Any, ...]]:
+        if self.allow_abbrev:
+            return super()._get_option_tuples(option_string)
+        return []
+
+
+def _device_options() -> Parser:
+    parent = Parser(add_help=False)
     parent.add_argument(
         "--emulated-devices",
         default=os.environ.get("HOIST_EMULATED_DEVICES"),
@@ -415,17 +451,65 @@ def _device_options() -> argparse.ArgumentParser:
     return parent
 
 
-def _placement_options() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
+def _load_mode_options() -> Parser:
+    """``-lm`` and llama.cpp's former switches for it (resolved by :func:`_resolve_load_mode`)."""
+    parent = Parser(add_help=False)
+    parent.add_argument(
+        "-lm",
+        "--load-mode",
+        default=None,
+        choices=LoadMode.spellings(),
+        help="how tensor data gets into memory (default auto; dio = direct-io)",
+    )
+    switches = parent.add_argument_group(
+        "llama.cpp's former load switches", "each stands for a -lm value (a note on stderr says which)"
+    )
+    switches.add_argument("--mmap", dest="switch_mmap", action="store_true", default=None, help="-lm mmap")
+    switches.add_argument("--no-mmap", dest="switch_mmap", action="store_false", help="-lm none")
+    switches.add_argument(
+        "--mlock", dest="switch_mlock", action="store_true", help="-lm mmap+mlock (-lm mlock with --no-mmap)"
+    )
+    switches.add_argument("-dio", "--direct-io", dest="switch_dio", action="store_true", help="-lm direct-io")
+    return parent
+
+
+def _resolve_load_mode(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Set ``args.load_mode`` from ``-lm`` or from llama.cpp's former switches (with a
+    note naming the ``-lm`` value they stand for); the two together are a usage error."""
+    used = [
+        flag
+        for flag, on in (
+            ("--mmap", args.switch_mmap is True),
+            ("--no-mmap", args.switch_mmap is False),
+            ("--mlock", args.switch_mlock),
+            ("--direct-io", args.switch_dio),
+        )
+        if on
+    ]
+    if not used:
+        args.load_mode = args.load_mode or LoadMode.AUTO.value
+        return
+    mode = LoadMode.from_switches(
+        use_mmap=args.switch_mmap is not False, use_mlock=args.switch_mlock, direct_io=args.switch_dio
+    )
+    if args.load_mode is not None:
+        parser.error(f"-lm cannot be combined with {' '.join(used)}: use -lm {mode.value} alone")
+    args.load_mode = mode.value
+    err.print(f"note: {' '.join(used)} taken as -lm {mode.value}", markup=False)
+
+
+def _placement_options() -> Parser:
+    parent = Parser(add_help=False, parents=[_load_mode_options()])
     parent.add_argument(
         "-ngl",
         "--n-gpu-layers",
         "--gpu-layers",
         default=None,
         metavar="N",
-        help="layers to offload, counting the output layer: a number, 'all' or 'auto' (default all)",
+        help="layers to offload, counting the output layer: an integer, 'all' or 'auto' (default all); "
+        "a negative integer means all, as in llama.cpp",
     )
-    parent.add_argument("-sm", "--split-mode", default="layer", choices=["none", "layer", "row"])
+    parent.add_argument("-sm", "--split-mode", default=SplitMode.LAYER.value, choices=SplitMode.spellings())
     parent.add_argument("-mg", "--main-gpu", type=int, default=0, help="the device kept by split mode none")
     parent.add_argument("-ts", "--tensor-split", default=None, metavar="SPLIT", help="proportions per device, e.g. 3,1")
     parent.add_argument(
@@ -437,24 +521,17 @@ def _placement_options() -> argparse.ArgumentParser:
     )
     parent.add_argument("--no-host", action="store_true", help="no pinned host buffer type for CPU layers")
     parent.add_argument(
-        "-lm",
-        "--load-mode",
-        default="auto",
-        choices=[m.value for m in LoadMode] + ["dio"],
-        help="how tensor data gets into memory",
-    )
-    parent.add_argument(
         "-lzm",
         "--lazy-mode",
-        default="auto",
-        choices=["off", "auto", "on"],
+        default=LazyMode.AUTO.value,
+        choices=LazyMode.spellings(),
         help="read per-layer embedding tables on demand: auto (above 4 GiB), on, off",
     )
     return parent
 
 
-def _load_options() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
+def _load_options() -> Parser:
+    parent = Parser(add_help=False)
     parent.add_argument(
         "--check-tensors", action="store_true", help="validate tensor data (NaN/Inf values and scales) while loading"
     )
@@ -471,15 +548,26 @@ def _load_options() -> argparse.ArgumentParser:
     return parent
 
 
+def _model_argument(p: argparse.ArgumentParser) -> None:
+    """The model path: positional, or llama.cpp's ``-m/--model`` (one of the two)."""
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("path", nargs="?", help="the GGUF file, or the first split of a split model")
+    model.add_argument(
+        "-m", "--model", dest="model_option", metavar="PATH", help="the model path, as llama.cpp takes it"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hoist", description="Load GGUF models onto devices, as llama.cpp does.")
+    """The ``hoist`` parser: every parser and subparser a :class:`Parser` (no
+    abbreviations)."""
+    parser = Parser(prog="hoist", description="Load GGUF models onto devices, as llama.cpp does.")
     parser.add_argument("--version", action="version", version=f"hoist {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     dev = _device_options()
     place = _placement_options()
 
     p = sub.add_parser("inspect", help="show a GGUF model's metadata and tensors", parents=[dev])
-    p.add_argument("path", help="the GGUF file, or the first split of a split model")
+    _model_argument(p)
     p.add_argument("--json", action="store_true", help="print everything as JSON")
     p.set_defaults(func=cmd_inspect)
 
@@ -488,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_devices)
 
     p = sub.add_parser("plan", help="show where every tensor would go (dry run)", parents=[dev, place])
-    p.add_argument("path", help="the GGUF file, or the first split of a split model")
+    _model_argument(p)
     p.add_argument("-v", "--verbose", action="store_true", help="also show tensors moved off their buffer type")
     p.add_argument("--json", action="store_true", help="print the plan as JSON, every tensor included")
     p.set_defaults(func=cmd_plan)
@@ -496,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "load", help="load a model onto its devices and print the memory report", parents=[dev, place, _load_options()]
     )
-    p.add_argument("path", help="the GGUF file, or the first split of a split model")
+    _model_argument(p)
     p.add_argument("-v", "--verbose", action="store_true", help="also show tensors moved off their buffer type")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_load)
@@ -519,19 +607,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("demo", help="place the sample, serve, and load it through the HTTP API", parents=[dev])
+    p = sub.add_parser(
+        "demo", help="place the sample, serve, and load it through the HTTP API", parents=[dev, _load_mode_options()]
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
-    p.add_argument("-lm", "--load-mode", default="auto", choices=[m.value for m in LoadMode])
     p.set_defaults(func=cmd_demo)
+    for command in sub.choices.values():
+        command.set_defaults(command_parser=command)  # for usage errors found after parsing
     return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line: ``args.model`` is the model path however it was given,
+    ``args.load_mode`` the ``-lm`` value however it was spelled. Exits with
+    :data:`EXIT_USAGE` on a usage error, as argparse does."""
+    args = build_parser().parse_args(argv)
+    if hasattr(args, "model_option"):
+        args.model = args.model_option if args.model_option is not None else args.path
+    if hasattr(args, "switch_mmap"):
+        _resolve_load_mode(args, args.command_parser)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hoist`` command; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     from rich.logging import RichHandler
 
     # log through the same console as the progress bars, so that lines never garble them
@@ -546,16 +648,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except HoistError as exc:
         err.print(f"[red]hoist: error:[/red] {escape(printable(exc.describe()))}")
-        return 1
+        return EXIT_DOES_NOT_FIT if isinstance(exc, BudgetExceededError) else EXIT_ERROR
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:
         from pydantic import ValidationError
 
         if isinstance(exc, ValidationError):
             msgs = "; ".join(e["msg"] for e in exc.errors())
             err.print(f"[red]hoist: error:[/red] invalid settings: {escape(msgs)}")
-            return 2
+            return EXIT_USAGE
         raise
 
 

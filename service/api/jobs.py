@@ -42,7 +42,7 @@ from service.loader.devices import Device
 from service.loader.gguf import HeaderLimits
 from service.loader.model import LoadedModel, MemoryReport
 from service.loader.pipeline import LoadOptions, Progress, check_loadable, load_plan, staging_nbytes
-from service.loader.placement import PlacementParams, Plan, make_params, plan
+from service.loader.placement import MemorySnapshot, PlacementParams, Plan, make_params, plan
 from service.loader.weights import WeightIndex, open_model
 
 logger = logging.getLogger(__name__)
@@ -287,7 +287,10 @@ class JobManager:
         def work(token: CancelToken) -> tuple[WeightIndex, PlacementParams, Plan]:
             index = open_model(path, root=self.models_dir, cancel=token, limits=self.limits.header_limits)
             params = self.params(flags)
-            placement = plan(index, self.devices, params, cancel=token, match_budget_s=self.limits.override_budget_s)
+            memory = MemorySnapshot.take(self.devices)
+            placement = plan(
+                index, self.devices, params, memory=memory, cancel=token, match_budget_s=self.limits.override_budget_s
+            )
             return index, params, placement
 
         return await self.offloader.run(work, what=f"planning '{clip(model, 200)}'", watch=watch)
@@ -452,6 +455,9 @@ class JobManager:
                 "n_buffers": len(loaded.report.buffers),
             }
             job.warnings = list(loaded.warnings)
+            for warning in loaded.warnings:
+                if warning not in loaded.plan.warnings:  # those were answered with the plan
+                    logger.warning("load %s of %s: %s", job.id, job.model, warning)
             job.stats = loaded.stats.to_dict()
             job.transition(JobState.SUCCEEDED)
             logger.info("loaded %s as %s (%d bytes)", job.model, job.id, loaded.report.total_nbytes)

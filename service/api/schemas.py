@@ -2,15 +2,52 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
+from service.errors import RequestError
 from service.loader.placement.overrides import MAX_OVERRIDES
-from service.loader.placement.params import MAX_DEVICES
+from service.loader.placement.params import (
+    INT32_MAX,
+    INT32_MIN,
+    MAX_DEVICES,
+    N_GPU_LAYERS_WORDS,
+    FlagValue,
+    LazyMode,
+    LoadMode,
+    SplitMode,
+    n_gpu_layers_error,
+)
 
-Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+
+
+def _spelling(cls: type[FlagValue]) -> Callable[[object], object]:
+    """A validator taking any spelling of ``cls`` (an alias too) to its member, so that
+    the request holds the canonical name; the CLI takes the same spellings."""
+
+    def parse(value: object) -> object:
+        if not isinstance(value, str):
+            return value  # a member already, or refused by the enum's own check
+        try:
+            return cls.parse(value)
+        except RequestError as exc:
+            raise ValueError(exc.message) from None
+
+    return parse
+
+
+def _spellings_schema(cls: type[FlagValue]) -> WithJsonSchema:
+    """The OpenAPI schema of a flag value: a string, one of the accepted spellings."""
+    return WithJsonSchema({"type": "string", "enum": list(cls.spellings())})
+
+
+SplitModeIn: TypeAlias = Annotated[SplitMode, BeforeValidator(_spelling(SplitMode)), _spellings_schema(SplitMode)]
+LoadModeIn: TypeAlias = Annotated[LoadMode, BeforeValidator(_spelling(LoadMode)), _spellings_schema(LoadMode)]
+LazyModeIn: TypeAlias = Annotated[LazyMode, BeforeValidator(_spelling(LazyMode)), _spellings_schema(LazyMode)]
 
 
 class PlanRequest(BaseModel):
@@ -24,9 +61,11 @@ class PlanRequest(BaseModel):
         description="Path of the GGUF file (or its first split), relative to the models directory.",
     )
     n_gpu_layers: Int32 | Literal["all", "auto"] | None = Field(
-        default=None, description="Layers to offload, counting the output layer (-ngl); default all."
+        default=None,
+        description="Layers to offload, counting the output layer (-ngl): an integer, 'all' or 'auto'; as in "
+        "llama.cpp, a negative number, 'all' and 'auto' offload every layer. Default all.",
     )
-    split_mode: Literal["none", "layer", "row"] = Field(default="layer", description="-sm")
+    split_mode: SplitModeIn = Field(default=SplitMode.LAYER, description="-sm")
     main_gpu: Int32 = Field(default=0, description="-mg: the device kept by split mode none (-1: none).")
     tensor_split: (
         Annotated[list[float], Field(max_length=MAX_DEVICES)] | Annotated[str, Field(max_length=1024)] | None
@@ -38,12 +77,23 @@ class PlanRequest(BaseModel):
         f"wins. At most {MAX_OVERRIDES} patterns of at most 256 characters.",
     )
     no_host: bool = Field(default=False, description="--no-host: no pinned host buffer type for CPU layers.")
-    load_mode: Literal["auto", "none", "mmap", "mlock", "mmap+mlock", "direct-io"] = Field(
-        default="auto", description="-lm: how tensor data gets into memory."
+    load_mode: LoadModeIn = Field(
+        default=LoadMode.AUTO,
+        description="-lm: how tensor data gets into memory ('dio' is llama.cpp's spelling of 'direct-io'; responses "
+        "give the canonical name).",
     )
-    lazy_mode: Literal["off", "auto", "on"] = Field(
-        default="auto", description="-lzm: read per-layer embedding tables on demand (auto: above 4 GiB)."
+    lazy_mode: LazyModeIn = Field(
+        default=LazyMode.AUTO, description="-lzm: read per-layer embedding tables on demand (auto: above 4 GiB)."
     )
+
+    @field_validator("n_gpu_layers", mode="before")
+    @classmethod
+    def _n_gpu_layers(cls, value: object) -> object:
+        """Refuse what ``-ngl`` refuses that pydantic would coerce: ``true`` is not 1,
+        and a string is one of the words (JSON gives numbers as numbers)."""
+        if isinstance(value, bool) or (isinstance(value, str) and value not in N_GPU_LAYERS_WORDS):
+            raise ValueError(n_gpu_layers_error(value))
+        return value
 
     def flags(self) -> dict[str, Any]:
         """The placement flags as keyword arguments of ``make_params``."""

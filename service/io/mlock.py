@@ -4,15 +4,12 @@ grows as a load proceeds, with a clear warning, not an error, when the lock limi
 
 from __future__ import annotations
 
-import logging
 import os
 import resource
 
 from service.io import libc
 from service.io.align import PAGE_SIZE, align_down, align_up
 from service.io.meter import MemoryMeter
-
-logger = logging.getLogger(__name__)
 
 
 def memlock_limit() -> int | None:
@@ -45,7 +42,8 @@ class MemoryLock:
 
     def grow_to(self, target: int) -> str | None:
         """Lock up to ``addr + target``. Returns a warning (and stops trying) when the
-        kernel refuses, naming the bytes locked so far and the limit needed."""
+        kernel refuses, naming the bytes locked so far and the limit needed; the caller
+        reports it (the load's warnings), so it is not logged here."""
         if self.failed is not None or target <= self.locked:
             return None
         start = align_up(self.addr + self.locked, PAGE_SIZE) if self.locked else self._page_start
@@ -62,7 +60,6 @@ class MemoryLock:
                     f"{'unlimited' if limit is None else f'{limit} bytes'}, {need} bytes are needed: "
                     "try increasing it ('ulimit -l' as root, or the container's memlock ulimit)"
                 )
-                logger.warning("%s", self.failed)
                 return self.failed
         if self.meter is not None:
             self.meter.add(target - self.locked)

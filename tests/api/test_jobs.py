@@ -15,7 +15,7 @@ import pytest
 from service.api.jobs import JobManager, JobState, Limits, LoadJob
 from service.loader.devices import CPUDevice
 from service.loader.pipeline.worker import Worker
-from service.loader.placement import PlacementParams, plan
+from service.loader.placement import MemorySnapshot, PlacementParams, plan
 from service.loader.weights import open_model
 from tests.helpers import write_fixture
 
@@ -25,8 +25,10 @@ def test_state_machine_refuses_illegal_moves(tmp_path: Path) -> None:
         tmp_path / "m.gguf", tensors={"w": (np.ones(8, dtype=np.float32), gguf.GGMLQuantizationType.F32)}
     ).path
     params = PlacementParams()
+    cpu = [CPUDevice()]
     job = LoadJob(
-        id="lj_x", model="m", path=str(path), params=params, plan=plan(open_model(path), [CPUDevice()], params),
+        id="lj_x", model="m", path=str(path), params=params,
+        plan=plan(open_model(path), cpu, params, memory=MemorySnapshot.take(cpu)),
         n_tensors=1, bytes_total=32,
     )  # fmt: skip
     with pytest.raises(RuntimeError, match="expected a move to cancelled, running, got succeeded"):

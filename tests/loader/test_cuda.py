@@ -12,7 +12,7 @@ import pytest
 from service.loader.devices import discover_devices
 from service.loader.devices.cuda import cuda_devices
 from service.loader.pipeline import load_model
-from service.loader.placement import make_params, plan
+from service.loader.placement import MemorySnapshot, make_params, plan
 from service.loader.weights import open_model
 from tests.helpers import Fixture
 
@@ -49,6 +49,6 @@ def test_fixture_on_cuda_matches_the_file(all_types_fixture: Fixture, mode: str)
 def test_sample_plan_on_cuda(sample_path: Path) -> None:
     devs = discover_devices(None)
     params = make_params([d.default_buffer_type.name for d in devs], n_gpu_layers=99, load_mode="none")
-    p = plan(open_model(sample_path), devs, params)
+    p = plan(open_model(sample_path), devs, params, memory=MemorySnapshot.take(devs))
     assert p.devices[0] == "CUDA0"
     assert {b.name for b in p.buffers} >= {"CUDA0", "CUDA_Host"}

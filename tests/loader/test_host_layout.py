@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from service.io.align import align_up
 from service.loader.devices import CPUDevice
 from service.loader.pipeline import load_model
-from service.loader.placement import make_params, plan
+from service.loader.placement import MemorySnapshot, make_params, plan
 from service.loader.placement.buffers import DIRECT_RUN_MIN_NBYTES, RUN_ALIGNMENT, TensorPlacement, host_layout
 from service.loader.weights import open_model
 from tests.helpers import write_fixture
@@ -54,7 +54,9 @@ def test_many_small_tensors_cost_their_bytes_not_pages(tmp_path: Path, mode: str
     rng = np.random.default_rng(0)
     tensors = {f"t{i}": (rng.standard_normal(8).astype(np.float32), Q.F32) for i in range(2000)}
     path = write_fixture(tmp_path / "m.gguf", tensors=tensors, alignment=64).path
-    p = plan(open_model(path), [CPUDevice()], make_params([], load_mode=mode))
+    p = plan(
+        open_model(path), [CPUDevice()], make_params([], load_mode=mode), memory=MemorySnapshot.take([CPUDevice()])
+    )
     (cpu,) = p.device_use
     assert cpu.allocated == sum(b.alloc_nbytes for b in p.buffers) <= 2000 * 64 + RUN_ALIGNMENT
     with asyncio.run(load_model(open_model(path), load_mode=mode)) as model:
@@ -70,7 +72,12 @@ def test_direct_io_reads_a_large_run_in_place(tmp_path: Path) -> None:
         "d": (rng.standard_normal(70_001).astype(np.float32), Q.F32),
     }
     path = write_fixture(tmp_path / "m.gguf", tensors=tensors).path
-    p = plan(open_model(path), [CPUDevice()], make_params([], load_mode="direct-io"))
+    p = plan(
+        open_model(path),
+        [CPUDevice()],
+        make_params([], load_mode="direct-io"),
+        memory=MemorySnapshot.take([CPUDevice()]),
+    )
     (buf,) = p.buffers
     assert buf.alloc_nbytes > buf.nbytes  # room around the large run
     (cpu,) = p.device_use

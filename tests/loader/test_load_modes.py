@@ -23,7 +23,7 @@ from service.loader.devices import EMUDevice, discover_devices
 from service.loader.model import LoadedModel
 from service.loader.pipeline import LoadOptions, Progress, load_model
 from service.loader.pipeline.layout import order_jobs
-from service.loader.placement import make_params, plan
+from service.loader.placement import MemorySnapshot, make_params, plan
 from service.loader.weights import open_model
 from tests.helpers import finite_quant, refuse_o_direct, set_scale, write_fixture
 from tests.resources import fds_on, load_threads, mappings_of
@@ -152,7 +152,8 @@ def test_backpressure_bounds_the_buffers_in_flight(tmp_path: Path) -> None:
 def test_load_order_without_mmap(tmp_path: Path) -> None:
     path = write_model(tmp_path / "m.gguf", valid_tensors(3))
     devs = discover_devices("EMU0=64MiB", cuda=False)
-    p = plan(open_model(path), devs, make_params(["CPU", "EMU0"], load_mode="none", n_gpu_layers=2, no_host=True))
+    params = make_params(["CPU", "EMU0"], load_mode="none", n_gpu_layers=2, no_host=True)
+    p = plan(open_model(path), devs, params, memory=MemorySnapshot.take(devs))
     from service.loader.pipeline.layout import Resources, build
 
     res = Resources()
@@ -179,7 +180,7 @@ def test_lazy_tensors(tmp_path: Path, mode: str) -> None:
     path = write_model(tmp_path / "m.gguf", tensors)
     devs = discover_devices("EMU0=64MiB", cuda=False)
     on = make_params(["CPU", "EMU0"], load_mode=mode, n_gpu_layers="all", lazy_mode="on", no_host=True)
-    p = plan(open_model(path), devs, on)
+    p = plan(open_model(path), devs, on, memory=MemorySnapshot.take(devs))
     lazy = [t for t in p.tensors if t.lazy]
     assert [t.name for t in lazy] == ["per_layer_token_embd.weight"] and lazy[0].device == "CPU"
     assert p.buffers[-1].lazy and p.buffers[-1].mapped and p.buffers[-1].name == "CPU_Mapped"
@@ -189,7 +190,9 @@ def test_lazy_tensors(tmp_path: Path, mode: str) -> None:
         assert model.stats.branches["lazy"] == t.nbytes  # not read during the load
         np.testing.assert_array_equal(t.data, tensors["per_layer_token_embd.weight"][0])  # read on demand
     auto = make_params(["CPU", "EMU0"], load_mode=mode, n_gpu_layers="all")
-    assert not any(t.lazy for t in plan(open_model(path), devs, auto).tensors)  # below 4 GiB
+    assert not any(
+        t.lazy for t in plan(open_model(path), devs, auto, memory=MemorySnapshot.take(devs)).tensors
+    )  # below 4 GiB
 
 
 # -- check-tensors ------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from service.cli import _devices, _params, build_parser
+from service.cli import _devices, _params, parse_args
 from service.errors import HoistError
-from service.loader.placement import plan
+from service.loader.placement import MemorySnapshot, plan
 from service.loader.weights import WeightIndex, open_model
 from tests.helpers import split_gguf
 
@@ -39,20 +39,20 @@ def _emulated(record: dict[str, Any]) -> str:
 @pytest.mark.parametrize("name", sorted(ORACLE))
 def test_oracle_record(name: str, models: dict[str, WeightIndex]) -> None:
     record = ORACLE[name]
-    args = build_parser().parse_args(
+    args = parse_args(
         ["plan", "MODEL", "--no-cuda", "--emulated-devices", _emulated(record), *shlex.split(record["flags"])]
     )
     devices = _devices(args)
     if record.get("error"):
         with pytest.raises(HoistError) as info:
-            plan(models[record["model"]], devices, _params(args, devices))
+            plan(models[record["model"]], devices, _params(args, devices), memory=MemorySnapshot.take(devices))
         expected = record["error"][0]
         if "unknown buffer type" in expected:
             assert "unknown buffer type 'FOO'" in str(info.value)
         else:
             assert expected.split("error loading model: ")[1].replace("RPC0", "EMU0") in str(info.value)
         return
-    p = plan(models[record["model"]], devices, _params(args, devices))
+    p = plan(models[record["model"]], devices, _params(args, devices), memory=MemorySnapshot.take(devices))
     assert p.layers == record["layers"]
     assert [(b.name, round(b.nbytes / (1 << 20), 2)) for b in p.buffers] == [
         (b["buffer"], b["MiB"]) for b in record["model_buffers"]

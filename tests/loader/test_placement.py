@@ -13,7 +13,7 @@ import pytest
 from service.errors import BudgetExceededError, OutOfMemoryError, PlacementError
 from service.loader.devices import CPUDevice, Device, EMUDevice, discover_devices
 from service.loader.pipeline import load_model, load_plan
-from service.loader.placement import Plan, make_params, plan
+from service.loader.placement import MemorySnapshot, Plan, make_params, plan
 from service.loader.placement.devices import layer_device, select_devices, split_points
 from service.loader.weights import open_model
 from tests.helpers import block_model
@@ -27,7 +27,8 @@ def devices(spec: str) -> list[Device]:
 
 def make_plan(path: Path, spec: str, **flags: object) -> Plan:
     devs = devices(spec)
-    return plan(open_model(path), devs, make_params([d.default_buffer_type.name for d in devs], **flags))  # type: ignore[arg-type]
+    params = make_params([d.default_buffer_type.name for d in devs], **flags)  # type: ignore[arg-type]
+    return plan(open_model(path), devs, params, memory=MemorySnapshot.take(devs))
 
 
 def blocks_on(p: Plan) -> dict[str, list[int]]:
@@ -73,17 +74,18 @@ def test_split_mode_none_keeps_main_gpu() -> None:
 def test_split_points() -> None:
     cpu = CPUDevice()
     a, b = EMUDevice(0, 3000 * MiB), EMUDevice(1, 1000 * MiB)
-    assert split_points([a, b], None, cpu) == [0.75, 1.0]
-    assert split_points([a, b], (0.0, 0.0), cpu) == [0.75, 1.0]  # all zero: by free memory
-    assert split_points([a, b], (1, 3), cpu) == [0.25, 1.0]
-    assert split_points([a, b], (2,), cpu) == [1.0, 1.0]  # missing values are 0
-    with pytest.raises(PlacementError, match="tensor_split has 3 values but 2 devices"):
-        split_points([a, b], (1, 1, 1), cpu)
-    # a device reporting 0/0 weighs the host's free memory
     zero = EMUDevice(2, 0)
-    host_free = cpu.memory().free
-    points = split_points([zero, a], None, cpu)
-    assert points[0] == pytest.approx(host_free / (host_free + 3000 * MiB), rel=1e-3)
+    memory = MemorySnapshot.take([cpu, a, b, zero])
+    assert split_points([a, b], None, cpu, memory) == [0.75, 1.0]
+    assert split_points([a, b], (0.0, 0.0), cpu, memory) == [0.75, 1.0]  # all zero: by free memory
+    assert split_points([a, b], (1, 3), cpu, memory) == [0.25, 1.0]
+    assert split_points([a, b], (2,), cpu, memory) == [1.0, 1.0]  # missing values are 0
+    with pytest.raises(PlacementError, match="tensor_split has 3 values but 2 devices"):
+        split_points([a, b], (1, 1, 1), cpu, memory)
+    # a device reporting 0/0 weighs the host's free memory (as the snapshot has it)
+    host_free = memory.of(cpu.name).free
+    points = split_points([zero, a], None, cpu, memory)
+    assert points[0] == pytest.approx(host_free / (host_free + 3000 * MiB), rel=1e-6)
 
 
 def test_layer_assignment_rule() -> None:
@@ -264,8 +266,11 @@ def test_mapped_ranges_are_own_minus_others(tmp_path: Path) -> None:
 
 def test_plan_is_deterministic(tmp_path: Path) -> None:
     path = block_model(tmp_path / "m.gguf", 6)
-    a = make_plan(path, "EMU0=1GiB,EMU1=2GiB", n_gpu_layers=5)
-    b = make_plan(path, "EMU0=1GiB,EMU1=2GiB", n_gpu_layers=5)
+    devs = devices("EMU0=1GiB,EMU1=2GiB")
+    params = make_params([d.default_buffer_type.name for d in devs], n_gpu_layers=5)
+    memory = MemorySnapshot.take(devs)  # the host's free memory changes; the snapshot does not
+    a = plan(open_model(path), devs, params, memory=memory)
+    b = plan(open_model(path), devs, params, memory=memory)
     assert a.to_dict() == b.to_dict()
 
 
@@ -277,7 +282,7 @@ def test_p04_load_allocates_what_the_plan_says(tmp_path: Path, mode: str) -> Non
     path = block_model(tmp_path / "m.gguf", 8, output=False)
     devs = devices("EMU0=1GiB,EMU1=1GiB")
     params = make_params([d.default_buffer_type.name for d in devs], n_gpu_layers=6, load_mode=mode, no_host=True)
-    p = plan(open_model(path), devs, params)
+    p = plan(open_model(path), devs, params, memory=MemorySnapshot.take(devs))
     with asyncio.run(load_model(open_model(path), devices=devs, params=params)) as model:
         for use in p.device_use:
             if use.device.startswith("EMU"):
@@ -291,7 +296,7 @@ def test_p04_a_load_that_does_not_fit_fails_before_allocating(tmp_path: Path) ->
     path = block_model(tmp_path / "m.gguf", 8, elements=1024)
     devs = devices("EMU0=20KiB,EMU1=1GiB")
     params = make_params([d.default_buffer_type.name for d in devs], n_gpu_layers=99, tensor_split="3,1")
-    p = plan(open_model(path), devs, params)
+    p = plan(open_model(path), devs, params, memory=MemorySnapshot.take(devs))
     assert not p.fits and not next(u for u in p.device_use if u.device == "EMU0").fits
     with pytest.raises(BudgetExceededError, match="EMU0 needs .* MiB, 0.02 MiB free"):
         asyncio.run(load_model(open_model(path), devices=devs, params=params))
@@ -303,7 +308,7 @@ def test_p04_allocation_failure_mid_load_frees_everything(tmp_path: Path) -> Non
     devs = devices("EMU0=1MiB,EMU1=1MiB")
     params = make_params([d.default_buffer_type.name for d in devs], n_gpu_layers=99)
     index = open_model(path)
-    p = plan(index, devs, params)
+    p = plan(index, devs, params, memory=MemorySnapshot.take(devs))
     assert p.fits
     emu1 = devs[2]
     assert isinstance(emu1, EMUDevice)
@@ -322,7 +327,7 @@ def test_p05_buffers_split_at_the_largest_allocation(tmp_path: Path) -> None:
     path = block_model(tmp_path / "m.gguf", 8, elements=1024)  # 4 KiB tensors
     devs = devices("EMU0=1GiB:max_alloc=10KiB")
     params = make_params([d.default_buffer_type.name for d in devs], n_gpu_layers=99, load_mode="none", no_host=True)
-    p = plan(open_model(path), devs, params)
+    p = plan(open_model(path), devs, params, memory=MemorySnapshot.take(devs))
     emu = next(b for b in p.buffers if b.name == "EMU0")
     assert len(emu.chunks) > 1 and all(c <= 10 * 1024 for c in emu.chunks)
     assert sum(emu.chunks) == emu.nbytes
@@ -337,8 +342,9 @@ def test_p05_buffers_split_at_the_largest_allocation(tmp_path: Path) -> None:
         for t in on_emu:
             w = index[t.name]
             assert t.data.tobytes() == raw[w.offset : w.end]
+    devs = devices("EMU0=1GiB:max_alloc=1KiB")
     with pytest.raises(PlacementError, match="too large to fit in a EMU0 buffer"):
-        plan(open_model(path), devices("EMU0=1GiB:max_alloc=1KiB"), params)
+        plan(open_model(path), devs, params, memory=MemorySnapshot.take(devs))
 
 
 def test_tensor_data_larger_than_the_host_is_refused_before_allocating(tmp_path: Path) -> None:
@@ -360,7 +366,9 @@ def test_tensor_data_larger_than_the_host_is_refused_before_allocating(tmp_path:
         f.truncate(len(header) + huge)
     with pytest.raises(BudgetExceededError, match="CPU needs .* MiB"):
         asyncio.run(load_model(open_model(path), load_mode="none"))
-    p = plan(open_model(path), [CPUDevice()], make_params([], load_mode="mmap"))
+    p = plan(
+        open_model(path), [CPUDevice()], make_params([], load_mode="mmap"), memory=MemorySnapshot.take([CPUDevice()])
+    )
     assert p.fits  # mapped, not allocated
 
 
@@ -444,8 +452,15 @@ def test_mmap_mlock_counts_locked_mappings_against_host_memory(tmp_path: Path) -
     with open(path, "wb") as f:
         f.write(header)
         f.truncate(len(header) + huge)
-    assert plan(open_model(path), [CPUDevice()], make_params([], load_mode="mmap")).fits
-    locked = plan(open_model(path), [CPUDevice()], make_params([], load_mode="mmap+mlock"))
+    assert plan(
+        open_model(path), [CPUDevice()], make_params([], load_mode="mmap"), memory=MemorySnapshot.take([CPUDevice()])
+    ).fits
+    locked = plan(
+        open_model(path),
+        [CPUDevice()],
+        make_params([], load_mode="mmap+mlock"),
+        memory=MemorySnapshot.take([CPUDevice()]),
+    )
     assert not locked.fits
     with pytest.raises(BudgetExceededError):
         asyncio.run(load_model(open_model(path), load_mode="mmap+mlock"))

@@ -36,7 +36,9 @@ async def start_load(body: LoadRequest, jobs: JobsDep, gone: ClientGoneDep) -> J
 
 @router.get("", response_model=LoadJobList, responses=problem_responses(422))
 async def list_loads(
-    jobs: JobsDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100, offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0
+    jobs: JobsDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
 ) -> JSONResponse:
     """Load jobs, oldest first, ``limit`` of them from ``offset`` (``total``: how many
     there are); each without its memory report (``GET /v1/loads/{id}`` has it)."""

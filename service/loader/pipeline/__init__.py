@@ -40,7 +40,7 @@ from service.loader.pipeline.options import (
     ProgressCallback,
 )
 from service.loader.pipeline.worker import Worker, WorkerStats
-from service.loader.placement import LoadMode, PlacementParams, Plan, TensorPlacement, plan
+from service.loader.placement import LoadMode, MemorySnapshot, PlacementParams, Plan, TensorPlacement, plan
 from service.loader.weights import WeightIndex
 
 __all__ = [
@@ -171,9 +171,14 @@ async def load_model(
         options = replace(options or LoadOptions(), chunk_nbytes=chunk_nbytes)
     check_loadable(index)
     devices = list(devices) if devices is not None else [CPUDevice()]
-    placement = await asyncio.to_thread(plan, index, devices, params)
+    placement = await asyncio.to_thread(_plan_now, index, devices, params)
     check_budget(placement, staging=staging_nbytes(placement, devices, options or LoadOptions()))
     return await load_plan(index, placement, devices, options=options, on_progress=on_progress)
+
+
+def _plan_now(index: WeightIndex, devices: Sequence[Device], params: PlacementParams) -> Plan:
+    """Plan against the devices' memory as it is now (read once)."""
+    return plan(index, devices, params, memory=MemorySnapshot.take(devices))
 
 
 async def load_plan(

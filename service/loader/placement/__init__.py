@@ -1,7 +1,9 @@
 """Placement: which device and buffer type every tensor gets, as llama.cpp decides it."""
 
 from service.loader.placement.buffers import BufferPlan, TensorPlacement
+from service.loader.placement.memory import MemorySnapshot
 from service.loader.placement.params import (
+    FlagValue,
     LazyMode,
     LoadMode,
     PlacementParams,
@@ -17,8 +19,10 @@ from service.loader.placement.plan import DeviceUse, MovedTensors, Plan, plan
 __all__ = [
     "BufferPlan",
     "DeviceUse",
+    "FlagValue",
     "LazyMode",
     "LoadMode",
+    "MemorySnapshot",
     "MovedTensors",
     "Plan",
     "PlacementParams",

@@ -11,6 +11,7 @@ import numpy as np
 
 from service.errors import PlacementError
 from service.loader.devices import Device
+from service.loader.placement.memory import MemorySnapshot
 from service.loader.placement.params import PlacementParams, SplitMode
 
 logger = logging.getLogger(__name__)
@@ -49,14 +50,17 @@ def select_devices(devices: Sequence[Device], params: PlacementParams) -> list[D
     return chosen
 
 
-def split_points(devices: Sequence[Device], tensor_split: Sequence[float] | None, host: Device) -> list[float]:
+def split_points(
+    devices: Sequence[Device], tensor_split: Sequence[float] | None, host: Device, memory: MemorySnapshot
+) -> list[float]:
     """Cumulative, normalised split points, one per device (the last is 1.0).
 
-    Without ``tensor_split`` (or all zero) each device weighs its free memory, the
-    host's when a device reports 0/0. A zero sum gives a uniform split.
+    Without ``tensor_split`` (or all zero) each device weighs its free memory in
+    ``memory``, the host's when a device reports 0/0. A zero sum gives a uniform split.
 
     Raises:
-        PlacementError: more ``tensor_split`` values than devices.
+        PlacementError: more ``tensor_split`` values than devices, or a device missing
+            from ``memory``.
     """
     n = len(devices)
     if tensor_split is not None and len(tensor_split) > n:
@@ -67,9 +71,9 @@ def split_points(devices: Sequence[Device], tensor_split: Sequence[float] | None
     if tensor_split is None or not any(tensor_split):
         weights = []
         for dev in devices:
-            mem = dev.memory()
+            mem = memory.of(dev.name)
             if mem.free == 0 and mem.total == 0:
-                mem = host.memory()
+                mem = memory.of(host.name)
             weights.append(float(mem.free))
     else:
         weights = [float(x) for x in tensor_split] + [0.0] * (n - len(tensor_split))

@@ -3,36 +3,68 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypeVar
+from typing import Self
 
 from service.errors import PlacementError, RequestError, clip
 from service.loader.placement.overrides import MAX_OVERRIDES, MAX_TOTAL_SIZE, compile_override, pattern_size
 
-E = TypeVar("E", bound=StrEnum)
+
+class FlagValue(StrEnum):
+    """The values of one placement flag: each member's value is its canonical name (the
+    name responses report), and :meth:`aliases` maps other accepted spellings to it.
+
+    The CLI's choices and the API schema's enums are both :meth:`spellings`, so a value
+    one accepts the other accepts too.
+    """
+
+    @classmethod
+    def flag(cls) -> str:
+        """What the flag is called in messages (``load mode``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def aliases(cls) -> Mapping[str, str]:
+        """Other spellings -> canonical names."""
+        return {}
+
+    @classmethod
+    def spellings(cls) -> tuple[str, ...]:
+        """Every accepted spelling: the canonical names in order, then the aliases."""
+        return (*(m.value for m in cls), *cls.aliases())
+
+    @classmethod
+    def parse(cls, value: str) -> Self:
+        """The member spelled ``value`` (a canonical name or an alias).
+
+        Raises:
+            RequestError: any other value; the message lists the accepted spellings.
+        """
+        try:
+            return cls(cls.aliases().get(value, value))
+        except ValueError:
+            known = ", ".join(cls.spellings())
+            raise RequestError(f"unknown {cls.flag()} '{clip(str(value), 50)}' (expected one of: {known})") from None
 
 
-def _member(cls: type[E], value: str, what: str) -> E:
-    """The member of ``cls`` named ``value``. Raises RequestError listing the names."""
-    try:
-        return cls(value)
-    except ValueError:
-        known = ", ".join(m.value for m in cls)
-        raise RequestError(f"unknown {what} '{value}' (expected one of: {known})") from None
-
-
-class SplitMode(StrEnum):
+class SplitMode(FlagValue):
     """How layers spread over several devices (``-sm``)."""
 
     NONE = "none"
     LAYER = "layer"
     ROW = "row"
 
+    @classmethod
+    def flag(cls) -> str:
+        return "split mode"
 
-class LoadMode(StrEnum):
-    """How tensor data gets into memory (llama.cpp's ``-lm/--load-mode``)."""
+
+class LoadMode(FlagValue):
+    """How tensor data gets into memory (llama.cpp's ``-lm/--load-mode``); ``dio`` is
+    llama.cpp's spelling of ``direct-io``."""
 
     AUTO = "auto"
     NONE = "none"
@@ -42,13 +74,25 @@ class LoadMode(StrEnum):
     DIRECT_IO = "direct-io"
 
     @classmethod
-    def parse(cls, value: str) -> LoadMode:
-        """The load mode named ``value`` (``dio`` as llama.cpp spells direct-io).
+    def flag(cls) -> str:
+        return "load mode"
 
-        Raises:
-            RequestError: unknown name.
-        """
-        return cls.DIRECT_IO if value == "dio" else _member(cls, value, "load mode")
+    @classmethod
+    def aliases(cls) -> Mapping[str, str]:
+        return {"dio": cls.DIRECT_IO.value}
+
+    @classmethod
+    def from_switches(cls, *, use_mmap: bool = True, use_mlock: bool = False, direct_io: bool = False) -> LoadMode:
+        """The load mode that llama.cpp's former switches (``--mmap/--no-mmap``,
+        ``--mlock``, ``--direct-io``; mapping on by default) stand for, combined as its
+        Python binding turns ``use_mmap``/``use_mlock`` into a load mode: both ->
+        ``mmap+mlock``, mlock alone -> ``mlock``, mmap alone -> ``mmap``, neither ->
+        ``none``; direct I/O takes precedence over mapping."""
+        if direct_io:
+            return cls.DIRECT_IO
+        if use_mlock:
+            return cls.MMAP_MLOCK if use_mmap else cls.MLOCK
+        return cls.MMAP if use_mmap else cls.NONE
 
     @property
     def maps(self) -> bool | None:
@@ -58,7 +102,7 @@ class LoadMode(StrEnum):
         return self in (LoadMode.MMAP, LoadMode.MMAP_MLOCK)
 
 
-class LazyMode(StrEnum):
+class LazyMode(FlagValue):
     """On-demand reading of the tensors llama.cpp marks for it (``-lzm/--lazy-mode``):
     ``off`` keeps them resident, ``auto`` reads those larger than 4 GiB on demand, ``on``
     all of them."""
@@ -68,9 +112,8 @@ class LazyMode(StrEnum):
     ON = "on"
 
     @classmethod
-    def parse(cls, value: str) -> LazyMode:
-        """The lazy mode named ``value``. Raises RequestError."""
-        return _member(cls, value, "lazy mode")
+    def flag(cls) -> str:
+        return "lazy mode"
 
 
 LAZY_ELIGIBLE = frozenset({"per_layer_token_embd.weight"})
@@ -89,22 +132,51 @@ class TensorOverride:
     buffer_type: str
 
 
+N_GPU_LAYERS_WORDS = ("auto", "all")
+"""``-ngl`` words: llama.cpp stores ``auto`` as -1 and ``all`` as -2; both mean every
+layer here, as in llama.cpp without ``--fit``."""
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+"""The range of llama.cpp's ``n_gpu_layers`` (an ``int32_t`` read with ``std::stoi``)."""
+
+_INTEGER = re.compile(r"[+-]?[0-9]{1,12}")
+
+
+def n_gpu_layers_error(value: object, reason: str = "") -> str:
+    """The message refusing ``value`` as ``-ngl``."""
+    why = f": {reason}" if reason else ""
+    return (
+        f"invalid n_gpu_layers '{clip(str(value), 50)}'{why} "
+        f"(expected an integer from {INT32_MIN} to {INT32_MAX}, 'all' or 'auto')"
+    )
+
+
 def parse_n_gpu_layers(value: str | int | None) -> int | None:
-    """``-ngl``: a number, ``all`` or ``auto`` (both: every layer, as llama.cpp does
-    without ``--fit``) -> layers, or None for every layer.
+    """``-ngl`` -> layers to offload, counting the output layer; None for every layer.
+
+    Ports llama.cpp's ``-ngl`` parsing (``common/arg.cpp``: ``auto`` -> -1, ``all`` -> -2,
+    else ``std::stoi``) and what its model loader makes of the number
+    (``llama_model::n_gpu_layers``: a negative value means every layer, and a value past
+    the layer count offloads them all): ``auto``, ``all`` and every negative number give
+    None; 0 and above are taken as they are. Accepted text is an optional sign and ASCII
+    digits; ``std::stoi`` would also skip leading blanks and stop at the first non-digit
+    (``7.5`` -> 7), which hoist refuses rather than guesses.
 
     Raises:
-        RequestError: anything else.
+        RequestError: anything else (another word, a fraction, a boolean, a value outside
+            ``int32_t``, which ``std::stoi`` refuses too).
     """
-    if value is None or value in ("all", "auto"):
+    if value is None or value in N_GPU_LAYERS_WORDS:
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return None if value < 0 else value
-    try:
-        n = int(str(value))
-    except ValueError:
-        raise RequestError(f"invalid n_gpu_layers '{value}' (expected a number, 'all' or 'auto')") from None
-    return None if n < 0 else n
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise RequestError(n_gpu_layers_error(value))
+    if isinstance(value, str):
+        if not _INTEGER.fullmatch(value):
+            raise RequestError(n_gpu_layers_error(value))
+        value = int(value)
+    if not INT32_MIN <= value <= INT32_MAX:
+        raise RequestError(n_gpu_layers_error(value, "out of range"))
+    return None if value < 0 else value
 
 
 MAX_DEVICES = 16
@@ -219,10 +291,9 @@ def make_params(
         RequestError: an invalid ``-ngl``, ``-sm``, ``-ts``, ``-lm`` or ``-lzm`` value.
         PlacementError: an invalid ``-ot`` override.
     """
-    mode = _member(SplitMode, split_mode, "split mode")
     return PlacementParams(
         n_gpu_layers=parse_n_gpu_layers(n_gpu_layers),
-        split_mode=mode,
+        split_mode=SplitMode.parse(split_mode),
         main_gpu=main_gpu,
         tensor_split=parse_tensor_split(tensor_split),
         overrides=parse_overrides(override_tensor, buffer_types),

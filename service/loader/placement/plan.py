@@ -18,6 +18,7 @@ from service.loader.devices import BufferType, Device, DeviceMemory
 from service.loader.placement.buffers import BufferPlan, MiB, TensorPlacement, build_buffers
 from service.loader.placement.bufts import BuftList, cpu_buft_list, gpu_buft_list, select_weight_buft
 from service.loader.placement.devices import layer_device, select_devices, split_points
+from service.loader.placement.memory import MemorySnapshot
 from service.loader.placement.overrides import MATCH_BUDGET_SECONDS, OverrideMatcher
 from service.loader.placement.params import (
     LAZY_AUTO_MIN_NBYTES,
@@ -150,6 +151,14 @@ class Plan:
         if self.load_mode is LoadMode.AUTO:
             return LoadMode.MMAP if self.use_mmap else LoadMode.NONE
         return self.load_mode
+
+    @property
+    def load_mode_label(self) -> str:
+        """The load mode by its ``-lm`` name, ``auto`` with what it resolved to
+        (``auto -> mmap``)."""
+        if self.load_mode is LoadMode.AUTO:
+            return f"{LoadMode.AUTO.value} -> {self.effective_load_mode.value}"
+        return self.load_mode.value
 
     @property
     def fits(self) -> bool:
@@ -295,6 +304,7 @@ def plan(
     devices: Sequence[Device],
     params: PlacementParams,
     *,
+    memory: MemorySnapshot,
     cancel: CancelToken | None = None,
     match_budget_s: float | None = MATCH_BUDGET_SECONDS,
 ) -> Plan:
@@ -305,12 +315,15 @@ def plan(
     ignores (op ``NONE``) are not placed; files llama.cpp would refuse for their
     architecture or tensor names are planned all the same, with a warning.
 
-    Pure: reads only metadata and the devices' memory figures; allocates nothing.
+    Pure: a function of the metadata, the devices' fixed properties, ``params`` and
+    ``memory``; reads no live memory figures, allocates nothing.
 
     Args:
         index: the model.
         devices: every device of the process (one of them the CPU).
         params: the placement flags.
+        memory: the devices' memory, read once by the caller
+            (``MemorySnapshot.take(devices)``): it weighs the split and decides ``fits``.
         cancel: checked for every tensor, so that a plan can be abandoned.
         match_budget_s: seconds the ``-ot`` patterns may take to match every tensor
             name together (None: no budget; each match has its own time limit anyway).
@@ -321,8 +334,8 @@ def plan(
     Raises:
         PlacementError: invalid ``main_gpu``, too many ``tensor_split`` values, split mode
             ``row`` on a device without split buffers, an override to a buffer type no
-            device has, a tensor no buffer type accepts, or a tensor larger than its
-            device's largest allocation.
+            device has, a tensor no buffer type accepts, a tensor larger than its
+            device's largest allocation, or a device missing from ``memory``.
         MetadataError, TensorInfoError: the model declares or names more layers than
             llama.cpp's ``LLAMA_MAX_LAYERS``.
         WorkLimitError: the overrides took longer than ``match_budget_s`` to match.
@@ -335,7 +348,7 @@ def plan(
     use_mmap = resolve_mmap(params.load_mode, chosen)
     cpu_list = cpu_buft_list(devices, chosen, no_host=params.no_host)
     gpu_lists = {d.name: gpu_buft_list(d, params.split_mode, cpu_list) for d in chosen}
-    points = split_points(chosen, params.tensor_split, cpu)
+    points = split_points(chosen, params.tensor_split, cpu, memory)
     arch = index.metadata.get("general.architecture")
     table = table_for(arch if isinstance(arch, str) else None)
     classes: dict[str, TensorClass] = {}
@@ -455,15 +468,14 @@ def plan(
             entry[1] += buf.nbytes
         else:
             entry[0] += buf.alloc_nbytes
-    by_name = {d.name: d for d in devices}
+    known = {d.name for d in devices}
     locks_mapping = params.load_mode is LoadMode.MMAP_MLOCK
     device_use = []
     for name, (allocated, mapped) in use.items():
-        mem = by_name[name].memory() if name in by_name else cpu.memory()
+        mem = memory.of(name if name in known else cpu.name)
         if mem.total == 0:
             # a device that reports no memory holds what fits in the host's
-            host = cpu.memory()
-            mem = DeviceMemory(host.free, 0)
+            mem = DeviceMemory(memory.of(cpu.name).free, 0)
         device_use.append(
             DeviceUse(name, allocated, mapped, mem.free, mem.total, locked=locks_mapping and name == cpu.name)
         )
