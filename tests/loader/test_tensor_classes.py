@@ -20,9 +20,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from service.cli import _devices, _params, build_parser
+from service.cli import _devices, _params, parse_args
 from service.loader.pipeline import load_model
-from service.loader.placement import Plan, plan
+from service.loader.placement import MemorySnapshot, Plan, plan
 from service.loader.tensor_classes import UNUSED_OP, LayerClass, classify, table_for
 from service.loader.tensor_table import ARCHITECTURES, KINDS, LORA_EXPERTS, SUFFIXES, TIED_OUTPUT
 from service.loader.weights import open_model
@@ -336,9 +336,9 @@ def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]]) -> P
 
 
 def _plan(path: Path, *flags: str) -> Plan:
-    args = build_parser().parse_args(["plan", str(path), "--no-cuda", "--emulated-devices", "EMU0=1GiB", *flags])
+    args = parse_args(["plan", str(path), "--no-cuda", "--emulated-devices", "EMU0=1GiB", *flags])
     devices = _devices(args)
-    return plan(open_model(path), devices, _params(args, devices))
+    return plan(open_model(path), devices, _params(args, devices), memory=MemorySnapshot.take(devices))
 
 
 def test_t5_offloads_encoder_and_decoder_blocks(tmp_path: Path) -> None:
@@ -403,7 +403,7 @@ def test_untied_architecture_and_strays(tmp_path: Path) -> None:
 @pytest.mark.parametrize("load_mode", ["mmap", "none"])
 def test_t5_loads_as_planned(tmp_path: Path, load_mode: str) -> None:
     path = _write(tmp_path / "t5.gguf", "t5", _t5_tensors(np.random.default_rng(8), unused=True))
-    args = build_parser().parse_args(
+    args = parse_args(
         ["plan", str(path), "--no-cuda", "--emulated-devices", "EMU0=1GiB", "-ngl", "99", "--load-mode", load_mode]
     )
     devices = _devices(args)
