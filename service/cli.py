@@ -340,10 +340,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.api.app import create_app
-    from service.api.server import server_config
+    from service.api.server import raise_open_files_limit, server_config
 
     settings = _settings(args, args.models_dir)
     check_exposure(args.host, settings)
+    raise_open_files_limit()
     app = create_app(settings)
     _check_port_free(args.host, args.port)
     uvicorn.Server(server_config(app, settings, host=args.host, port=args.port, log_level=args.log_level)).run()

@@ -4,6 +4,8 @@ load that cannot fit is refused at once rather than failing later."""
 
 from __future__ import annotations
 
+import os
+import resource
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +38,9 @@ MAPPINGS = "mappings"
 MAPPINGS_PER_FILE = 3
 """Mappings counted per mapped file (locking or unmapping parts can split one in three)."""
 
+DESCRIPTORS = "file descriptors"
+"""The name under which reservations count the process's open file descriptors."""
+
 
 def metadata_nbytes(index: WeightIndex) -> int:
     """Host bytes a model's metadata takes while it is queued, loading or resident: its
@@ -50,11 +55,12 @@ def metadata_nbytes(index: WeightIndex) -> int:
     )
 
 
-def plan_needs(p: Plan, staging: int = 0, staging_buffers: int = 0) -> dict[str, int]:
+def plan_needs(p: Plan, staging: int = 0, staging_buffers: int = 0, open_files: int = 0) -> dict[str, int]:
     """What ``p`` needs per memory (device name, ``CPU`` for host memory), in bytes: what it
-    allocates, mapped bytes it locks, and ``staging`` bytes of host staging buffers; and
-    under :data:`MAPPINGS`, the memory mappings it makes (files mapped, allocations and
-    ``staging_buffers`` buffers)."""
+    allocates, mapped bytes it locks, and ``staging`` bytes of host staging buffers; under
+    :data:`MAPPINGS`, the memory mappings it makes (files mapped, allocations and
+    ``staging_buffers`` buffers); and under :data:`DESCRIPTORS`, the ``open_files`` file
+    descriptors its load holds open."""
     needs = {u.device: u.needed for u in p.device_use if u.needed}
     if staging:
         needs["CPU"] = needs.get("CPU", 0) + staging
@@ -63,6 +69,8 @@ def plan_needs(p: Plan, staging: int = 0, staging_buffers: int = 0) -> dict[str,
         mapped_files |= {t.file_index for t in p.tensors}
     allocations = sum(len(b.chunks) for b in p.buffers if not b.mapped)
     needs[MAPPINGS] = MAPPINGS_PER_FILE * len(mapped_files) + allocations + staging_buffers
+    if open_files:
+        needs[DESCRIPTORS] = open_files
     return needs
 
 
@@ -73,6 +81,20 @@ def max_map_count() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return 65530
+
+
+def descriptor_limit() -> int:
+    """The process's soft limit on open file descriptors (``RLIMIT_NOFILE``)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def descriptors_now() -> int:
+    """The file descriptors this process has open now."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
 
 
 def mappings_now() -> int:
@@ -96,6 +118,11 @@ class Shortfall:
     holders: int
 
     def describe(self) -> str:
+        if self.device == DESCRIPTORS:
+            return (
+                f"the load needs {self.needed} file descriptors, {self.available} are available "
+                f"(RLIMIT_NOFILE, less the connections' share and what the other loads hold)"
+            )
         if self.device == MAPPINGS:
             return (
                 f"the process needs {self.needed} more memory mappings, {self.available} are available "
@@ -121,20 +148,31 @@ class Reservations:
     on its own (threads, allocations): a process at that limit cannot map, allocate or
     start a thread.
 
+    Open file descriptors (a load holds each file of its model open) are counted against
+    ``RLIMIT_NOFILE``, less those open when the reservations began, ``descriptors_kept``
+    (the connections') and a margin.
+
     Args:
         devices: the devices (one of them the CPU); memories are named by device, host
             memory ``CPU``.
+        descriptors_kept: file descriptors kept for other uses (connections).
     """
 
     MAPPING_MARGIN = 4096
     """Mappings kept for the process's own use (at least; or a tenth of the limit)."""
 
-    def __init__(self, devices: Sequence[Device]) -> None:
+    DESCRIPTOR_MARGIN = 64
+    """File descriptors kept for the process's own use (dry runs, logs, pipes)."""
+
+    def __init__(self, devices: Sequence[Device], *, descriptors_kept: int = 0) -> None:
         self.devices = {d.name: d for d in devices}
         self.owners: dict[str, dict[str, int]] = {}
         self.metadata: dict[str, int] = {}
         limit = max_map_count()
         self.mapping_capacity = max(limit - mappings_now() - max(self.MAPPING_MARGIN, limit // 10), 0)
+        self.descriptor_capacity = max(
+            descriptor_limit() - descriptors_now() - descriptors_kept - self.DESCRIPTOR_MARGIN, 0
+        )
 
     def reserved(self, memory: str, *, excluding: str | None = None) -> tuple[int, int]:
         """Bytes reserved in ``memory`` and by how many owners (``excluding`` one)."""
@@ -150,6 +188,8 @@ class Reservations:
         (it allocates without a limit)."""
         if memory == MAPPINGS:
             return self.mapping_capacity, self.mapping_capacity
+        if memory == DESCRIPTORS:
+            return self.descriptor_capacity, self.descriptor_capacity
         device = self.devices.get(memory)
         if device is None:
             return None

@@ -15,6 +15,7 @@ from service.api.auth import BearerAuth
 from service.api.jobs import JobManager, Limits
 from service.api.limits import BodyLimit
 from service.api.routes import devices, health, loads, models, plans
+from service.api.server import connection_limit
 from service.api.settings import Settings
 from service.loader.devices import discover_devices
 from service.loader.gguf import HeaderLimits
@@ -34,7 +35,10 @@ def limits_from(settings: Settings) -> Limits:
         override_budget_s=settings.override_budget_s,
         file_check_interval_s=settings.file_check_interval_s,
         load_timeout_s=settings.load_timeout_s,
-        header_limits=HeaderLimits(settings.max_gguf_header_bytes, settings.max_kv_pairs, settings.max_tensors),
+        descriptors_kept=connection_limit(settings),
+        header_limits=HeaderLimits(
+            settings.max_gguf_header_bytes, settings.max_kv_pairs, settings.max_tensors, settings.max_splits
+        ),
     )
 
 

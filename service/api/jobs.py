@@ -189,6 +189,8 @@ class Limits:
     file_check_interval_s: float = 2.0
     header_limits: HeaderLimits = field(default_factory=HeaderLimits)
     load_timeout_s: float = 0.0
+    descriptors_kept: int = 0
+    """File descriptors loads may not use (the connections' share)."""
 
 
 MAX_MODEL_PATH = 4096
@@ -244,7 +246,7 @@ class JobManager:
         self.limits = limits or Limits()
         self.jobs: dict[str, LoadJob] = {}
         self.models: dict[str, ResidentModel] = {}
-        self.reservations = Reservations(devices)
+        self.reservations = Reservations(devices, descriptors_kept=self.limits.descriptors_kept)
         self.offloader = Offloader(
             self.limits.request_workers, self.limits.max_waiting_requests, self.limits.request_timeout_s
         )
@@ -375,7 +377,9 @@ class JobManager:
             warnings=list(placement.warnings),
         )
         staging = staging_nbytes(placement, self.devices, options)
-        needs = plan_needs(placement, staging, options.staging_buffers if staging else 0)
+        # the worker holds each file open, twice when it also validates what it reads
+        open_files = len(index.files) * (2 if options.check_tensors else 1)
+        needs = plan_needs(placement, staging, options.staging_buffers if staging else 0, open_files)
         self.reservations.reserve(job.id, needs, model=model, metadata=metadata_nbytes(index))
         self.jobs[job.id] = job
         job.task = asyncio.create_task(self._run(job, index), name=f"load {job.id}")

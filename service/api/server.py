@@ -2,15 +2,20 @@
 
 uvicorn's httptools protocol reads a request head of any size, waits for a request as
 long as a client likes, and answers the requests it refuses itself (malformed, over the
-connection limit) in plain text. :class:`GuardedHttpToolsProtocol` bounds the head (URL
-and headers) and the time to receive a whole request, refuses connections beyond the
-limit as they open, and answers all of these as problem+json.
+connection limit) in plain text, and keeps a response a client does not read for as long
+as the connection lasts. :class:`GuardedHttpToolsProtocol` bounds the head (URL and
+headers), the time to receive a whole request and the time a response may wait unread,
+refuses connections beyond the limit as they open, and answers all of these as
+problem+json.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
+import resource
 from http import HTTPStatus
 from typing import Any
 
@@ -22,6 +27,49 @@ from service.api.settings import Settings
 
 KEEP_ALIVE_S = 5
 """Seconds an idle keep-alive connection stays open."""
+
+FD_MARGIN = 256
+"""File descriptors left to loads, dry runs and the process itself however many
+connections the settings allow."""
+
+logger = logging.getLogger(__name__)
+
+
+def raise_open_files_limit() -> int:
+    """Raise the process's soft limit on open file descriptors (``RLIMIT_NOFILE``) to its
+    hard limit, as servers do; returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20) if soft != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= hard:
+        return hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):
+        return soft
+    return hard
+
+
+def connection_limit(settings: Settings) -> int:
+    """The connections served at once: ``settings.max_connections``, but no more than
+    half of the file descriptors ``RLIMIT_NOFILE`` allows beyond :data:`FD_MARGIN`, so
+    that connections cannot take the descriptors loads need (and refusals beyond the
+    limit can still be answered)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return settings.max_connections
+    return _connection_limit(settings.max_connections, soft)
+
+
+@functools.cache
+def _connection_limit(max_connections: int, soft: int) -> int:
+    allowed = max((soft - FD_MARGIN) // 2, 16)
+    if max_connections <= allowed:
+        return max_connections
+    logger.warning(
+        "serving at most %d connections, not %d: the open-file limit (ulimit -n) is %d", allowed, max_connections, soft
+    )
+    return allowed
 
 
 def problem_bytes(status: int, detail: str, code: str, extra_headers: bytes = b"") -> bytes:
@@ -57,6 +105,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     ``max_head_bytes`` (``431``); the bytes after it, body and trailers, at most
     ``max_body_bytes`` and ``max_head_bytes`` more, whether or not the application reads
     them (``413``); at most ``MAX_PIPELINED`` requests wait behind the one being answered.
+    A client that takes nothing of a response for ``send_timeout_s`` (its send buffer
+    full) is disconnected at once, dropping what was buffered; a connection being
+    closed gets the same time to take its last response.
 
     Class attributes (set by :func:`guarded_protocol`):
         max_head_bytes: largest request head in bytes.
@@ -64,6 +115,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         read_timeout_s: seconds to receive a whole request.
         keep_alive_s: seconds a connection may stay idle between requests.
         max_connections: open connections; one more is answered ``503`` and closed.
+        send_timeout_s: seconds a response may wait unread.
     """
 
     max_head_bytes = 64 << 10
@@ -71,11 +123,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     read_timeout_s = 10.0
     keep_alive_s = 5.0
     max_connections = 1024
+    send_timeout_s = 10.0
     MAX_PIPELINED = 16
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._read_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str, str] | None = None
         self._next_request()
         if len(self.connections) > self.max_connections:
@@ -104,7 +158,29 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         if not self.transport.is_closing():
             self.transport.write(problem_bytes(status, detail, code, extra_headers))
-            self.transport.close()
+            self._close()
+
+    def _close(self) -> None:
+        """Close once what is buffered is sent, or drop it all if the client does not
+        take it within ``send_timeout_s``."""
+        self.transport.close()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._abort)
+
+    def _abort(self) -> None:
+        self._send_timer = None
+        self.transport.abort()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._abort)
+
+    def resume_writing(self) -> None:
+        if self._send_timer is not None and not self.transport.is_closing():
+            self._send_timer.cancel()
+            self._send_timer = None
+        super().resume_writing()
 
     def _too_slow(self) -> None:
         self._read_timer = None
@@ -113,7 +189,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_head or self.cycle is None or not self.cycle.response_started:
             self._refuse(408, f"the request was not received within {self.read_timeout_s:g} s", "request_timeout")
         else:
-            self.transport.close()  # the response has begun: nothing more can be said
+            self._close()  # the response has begun: nothing more can be said
 
     def _count(self, data: bytes) -> tuple[int, str, str] | None:
         """Count ``data`` against the head's or the body's bound; the refusal, if over."""
@@ -167,6 +243,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
@@ -187,7 +266,8 @@ def guarded_protocol(settings: Settings) -> type[GuardedHttpToolsProtocol]:
             "max_body_bytes": settings.max_body_bytes,
             "read_timeout_s": settings.request_read_timeout_s,
             "keep_alive_s": KEEP_ALIVE_S,
-            "max_connections": settings.max_connections,
+            "max_connections": connection_limit(settings),
+            "send_timeout_s": settings.send_timeout_s,
         },
     )
 

@@ -80,6 +80,11 @@ class Settings(BaseSettings):
     connection opens), in seconds; beyond, 408 and the connection is closed
     (``HOIST_REQUEST_READ_TIMEOUT_S``)."""
 
+    send_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    """Time a client may leave a response unread (the connection's send buffer full,
+    nothing taken), in seconds; beyond, the connection is dropped and the response's
+    memory freed (``HOIST_SEND_TIMEOUT_S``)."""
+
     max_gguf_header_bytes: int = Field(default=64 << 20, ge=1 << 20, le=1 << 40)
     """Largest GGUF header (metadata and tensor infos, all splits together) a request may
     make the service read, in bytes; beyond, 422 (``HOIST_MAX_GGUF_HEADER_BYTES``)."""
@@ -89,6 +94,10 @@ class Settings(BaseSettings):
 
     max_kv_pairs: int = Field(default=65536, ge=1, le=1 << 30)
     """Most KV pairs in a model (all splits together); beyond, 422 (``HOIST_MAX_KV_PAIRS``)."""
+
+    max_splits: int = Field(default=256, ge=1, le=65535)
+    """Most files of a split model (each is open while it loads); beyond, 422
+    (``HOIST_MAX_SPLITS``)."""
 
     load_timeout_s: float = Field(default=0.0, ge=0, le=7 * 24 * 3600)
     """Time limit of one load, in seconds; a load still running then is stopped and fails

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from service.cancel import CancelToken, check
-from service.errors import SplitError, TensorBoundsError
+from service.errors import HeaderTooLargeError, SplitError, TensorBoundsError
 from service.loader.gguf import GGUFFile, HeaderLimits, TensorInfo, read_gguf
 
 KEY_SPLIT_NO = "split.no"
@@ -187,11 +187,13 @@ def _inside(root: str, path: str) -> bool:
 
 
 class _Budget:
-    """What the header limits leave for the remaining splits of a model."""
+    """What the header limits leave for the remaining splits of a model: bytes count as
+    read, not as the headers declare, so that many small headers cannot make each read
+    a large chunk."""
 
     def __init__(self, limits: HeaderLimits | None, first: GGUFFile) -> None:
         self.limits = limits
-        self.nbytes = first.data_offset
+        self.nbytes = max(first.data_offset, first.nbytes_read)
         self.tensors = len(first.tensors)
         self.kv = len(first.kv)
 
@@ -206,7 +208,7 @@ class _Budget:
         )
 
     def spend(self, gguf_file: GGUFFile) -> None:
-        self.nbytes += gguf_file.data_offset
+        self.nbytes += max(gguf_file.data_offset, gguf_file.nbytes_read)
         self.tensors += len(gguf_file.tensors)
         self.kv += len(gguf_file.kv)
 
@@ -260,6 +262,12 @@ def open_model(
         raise SplitError(
             f"split.count is {n_split}, at most {MAX_SPLITS} splits are allowed", path=name, key=KEY_SPLIT_COUNT
         )
+    if limits is not None and limits.max_splits is not None and n_split > limits.max_splits:
+        raise HeaderTooLargeError(
+            f"split.count is {n_split}, more than the limit of {limits.max_splits} splits",
+            path=name,
+            key=KEY_SPLIT_COUNT,
+        )
     split_no = _required_split_int(first, KEY_SPLIT_NO)
     prefix = split_prefix(name, split_no, n_split)
     if split_no != 0:
@@ -285,7 +293,14 @@ def open_model(
             raise SplitError(f"split {i + 1} of {n_split} is missing: {sibling} does not exist", path=name)
         if real_root is not None and not _inside(real_root, sibling):
             raise SplitError(f"split {i + 1} of {n_split} leaves the models directory", path=sibling)
-        gguf_file = read_gguf(sibling, cancel=cancel, root=root, limits=budget.remaining())
+        try:
+            gguf_file = read_gguf(sibling, cancel=cancel, root=root, limits=budget.remaining())
+        except HeaderTooLargeError as exc:
+            raise HeaderTooLargeError(
+                f"the headers of the {n_split} splits are larger together than the limit "
+                f"(reading split {i + 1}: {exc.message})",
+                path=sibling,
+            ) from None
         budget.spend(gguf_file)
         found_no = _required_split_int(gguf_file, KEY_SPLIT_NO)
         if found_no != i:

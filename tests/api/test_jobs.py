@@ -161,3 +161,26 @@ async def test_loads_beyond_the_mapping_limit_are_refused_at_submit(tmp_path: Pa
         assert third.state is JobState.SUCCEEDED
     finally:
         await jobs.close()
+
+
+async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(tmp_path: Path) -> None:
+    from service.api.admission import DESCRIPTORS
+    from service.errors import BudgetExceededError
+    from service.loader.pipeline.options import LoadOptions
+
+    models = _models_with_m(tmp_path)
+    jobs = JobManager(str(models), [CPUDevice()], Limits())
+    jobs.reservations.descriptor_capacity = 3
+    try:
+        first = await jobs.submit("m.gguf", {"load_mode": "none"}, options=LoadOptions(check_tensors=True))
+        assert jobs.reservations.owners[first.id][DESCRIPTORS] == 2  # the file, and again to validate it
+        with pytest.raises(BudgetExceededError, match="file descriptors.*RLIMIT_NOFILE"):
+            await jobs.submit("m.gguf", {"load_mode": "none"}, options=LoadOptions(check_tensors=True))
+        second = await jobs.submit("m.gguf", {"load_mode": "none"})
+        while not (first.state.terminal and second.state.terminal):
+            await asyncio.sleep(0.01)
+        assert first.state is JobState.SUCCEEDED and second.state is JobState.SUCCEEDED
+        # resident models hold no descriptors
+        assert all(DESCRIPTORS not in needs for needs in jobs.reservations.owners.values())
+    finally:
+        await jobs.close()

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from gguf import GGUFValueType as V
 
-from service.errors import RequestError
+from service.errors import HeaderTooLargeError, RequestError
 from tests.api.test_hostile import ENDED, _f32_tensor, is_problem
 from tests.api.test_loads import wait_for
 from tests.conftest import ServeProcess
@@ -83,8 +83,9 @@ def test_planning_interleaved_tensors_is_linear(live_server_emu: str, models_dir
         assert sum(1 for b in plan["buffers"] if b["name"] == "CPU_Mapped") == 20_000
 
 
-def test_planning_many_splits_is_linear(live_server: str, models_dir: Path) -> None:
-    n = 600
+def _splits(models_dir: Path, prefix: str, n: int, *, pad_to: int = 0) -> Path:
+    """A model of ``n`` splits of one F32 tensor each; each file extended (sparse) to
+    ``pad_to`` bytes when given. Returns the first split."""
     for i in range(n):
         kv = [
             gguf_kv("split.no", V.UINT16, struct.pack("<H", i)),
@@ -97,14 +98,42 @@ def test_planning_many_splits_is_linear(live_server: str, models_dir: Path) -> N
                 *kv,
             ]
         name, data = _f32_tensor(f"t{i}")
-        (models_dir / f"sp-{i + 1:05d}-of-{n:05d}.gguf").write_bytes(raw_gguf(kv, [name], data))
-    first = models_dir / f"sp-00001-of-{n:05d}.gguf"
-    with httpx.Client(base_url=live_server, timeout=120) as client:
+        path = models_dir / f"{prefix}-{i + 1:05d}-of-{n:05d}.gguf"
+        path.write_bytes(raw_gguf(kv, [name], data))
+        if pad_to:
+            os.truncate(path, pad_to)
+    return models_dir / f"{prefix}-00001-of-{n:05d}.gguf"
+
+
+def test_planning_many_splits_is_linear(hoist_serve: Any, models_dir: Path) -> None:
+    first = _splits(models_dir, "sp", 600)
+    server: ServeProcess = hoist_serve(HOIST_MAX_SPLITS="600")
+    with httpx.Client(base_url=server.url, timeout=120) as client:
         assert client.post("/v1/plans?tensors=false", json={"model": first.name}).status_code == 200
         resp = client.post("/v1/loads", json={"model": first.name, "load_mode": "mmap"})
         assert wait_for(client, resp.headers["location"], ENDED)["state"] == "succeeded"
         # a resident model holds mappings, not descriptors
         assert sum(fds_on(p) for p in models_dir.glob("sp-*.gguf")) == 0
+
+
+def test_splits_are_bounded_in_number_and_in_bytes_read(live_server: str, models_dir: Path) -> None:
+    many = _splits(models_dir, "many", 300)
+    # 100 small headers, each file padded to 8 MiB: reading each in large chunks would
+    # read far more than the headers' bytes
+    padded = _splits(models_dir, "pad", 100, pad_to=8 << 20)
+    with httpx.Client(base_url=live_server, timeout=120) as client:
+        body = is_problem(client.post("/v1/plans", json={"model": many.name}), 422, "header_too_large")
+        assert "300" in body["detail"] and "256" in body["detail"]
+        assert client.post("/v1/plans?tensors=false", json={"model": padded.name}).status_code == 200
+    from service.loader.gguf import HeaderLimits
+    from service.loader.weights import open_model
+
+    index = open_model(padded, limits=HeaderLimits(max_bytes=8 << 20))
+    # each file is read in a first chunk of at most 64 KiB, not as far as it goes
+    assert sum(f.nbytes_read for f in index.files) <= 100 * (64 << 10)
+    # a budget the headers' bytes fit in but chunked reads would not
+    with pytest.raises(HeaderTooLargeError, match="larger together than the limit"):
+        open_model(padded, limits=HeaderLimits(max_bytes=sum(f.data_offset for f in index.files) + 4096))
 
 
 def test_a_symbolic_link_swapped_after_the_check_cannot_lead_outside(tmp_path: Path, models_dir: Path) -> None:

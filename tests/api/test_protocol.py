@@ -208,3 +208,47 @@ def test_empty_lines_before_a_head_do_not_hide_it(hoist_serve: Any) -> None:
     sock.sendall(b"\r\n\r\n" + b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * (200 << 10) + b"\r\n\r\n")
     _problem(_read_all(sock), 431, "request_header_fields_too_large")
     sock.close()
+
+
+def test_a_response_left_unread_is_dropped(hoist_serve: Any, models_dir: Any) -> None:
+    from tests.api.test_limits import _many_tensors
+
+    _many_tensors(models_dir / "many.gguf", 40_000)  # a plan of about 10 MB
+    server: ServeProcess = hoist_serve(HOIST_SEND_TIMEOUT_S="1")
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    body = b'{"model": "many.gguf"}'
+    sock.sendall(
+        b"POST /v1/plans HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    time.sleep(8)  # planned, encoded, then left unread for longer than the send time limit
+    sock.settimeout(10)
+    raw = _read_all(sock)
+    sock.close()
+    head, _, got = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1])
+    assert length > 4 << 20 and len(got) < length  # cut off, its buffer dropped
+    # a client that reads gets the whole response
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        assert len(client.post("/v1/plans", json={"model": "many.gguf"}).content) == length
+
+
+def test_connections_leave_descriptors_for_loads(monkeypatch: Any) -> None:
+    import resource
+
+    from service.api import server as server_module
+    from service.api.settings import Settings
+
+    settings = Settings(models_dir=".", cuda=False, max_connections=1024)
+    limits = {"soft": 1024}
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (limits["soft"], 4096))
+    assert server_module.connection_limit(settings) == (1024 - server_module.FD_MARGIN) // 2
+    limits["soft"] = 1 << 16
+    assert server_module.connection_limit(settings) == 1024
+    monkeypatch.setattr(resource, "setrlimit", lambda _, value: limits.update(soft=value[0]))
+    limits["soft"] = 1024
+    assert server_module.raise_open_files_limit() == 4096 and limits["soft"] == 4096

@@ -140,6 +140,8 @@ class GGUFFile:
             tensor infos).
         identity: (device, inode, size, mtime in ns) of the file when it was parsed, to
             tell when it was replaced or changed since.
+        nbytes_read: bytes read from the file to parse its header (at least
+            ``data_offset`` less the padding; reads come in chunks).
     """
 
     path: str
@@ -151,6 +153,7 @@ class GGUFFile:
     alignment: int
     data_offset: int
     identity: tuple[int, int, int, int] = (0, 0, 0, 0)
+    nbytes_read: int = 0
     _by_name: dict[str, TensorInfo] = field(default_factory=dict, repr=False, compare=False)
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -233,11 +236,14 @@ class HeaderLimits:
         max_bytes: header bytes (everything before the data section) read at most.
         max_kv: KV pairs at most.
         max_tensors: tensor infos at most.
+        max_splits: files of a split model at most (all of them are open at once while
+            it loads).
     """
 
     max_bytes: int | None = None
     max_kv: int | None = None
     max_tensors: int | None = None
+    max_splits: int | None = None
 
 
 _LFS_PREFIX = b"version https://git-lfs"
@@ -267,7 +273,9 @@ def _check_magic(head: bytes, path: str) -> None:
     raise NotGGUFError(f"not a GGUF file: magic is '{shown}', expected 'GGUF'", path=path, offset=0, hint=hint)
 
 
-_FIRST_READ = 1 << 20
+_FIRST_READ = 64 << 10
+"""Bytes of the first read of a header; later reads double what was read (so a header
+costs at most twice its size in reads, plus this)."""
 
 
 class _Parser:
@@ -508,6 +516,7 @@ class _Parser:
             tensors=tensors,
             alignment=alignment,
             data_offset=data_offset,
+            nbytes_read=len(self.data),
             _by_name=by_name,
         )
 
