@@ -2,10 +2,11 @@
 every tensor checked on the device against the file's bytes, upload speed against a plain
 pinned host-to-device copy of the same size measured in the same run.
 
-    .venv/bin/python bench/gpu.py [PATH] [--repeat N] [--out DIR]
+    .venv/bin/python bench/gpu.py [PATH ...] [--repeat N] [--out DIR]
 
-Needs the ``cuda`` extra and a GPU. PATH defaults to the sample model. With ``--out`` (or
-``$OUT``) the figures are also written to ``DIR/gpu.json``.
+Needs the ``cuda`` extra and a GPU. PATH defaults to every bundled real model (placed in
+./models as ``hoist sample`` does). With ``--out`` (or ``$OUT``) the figures are also
+written to ``DIR/gpu.json``: one entry per file under ``files``.
 """
 
 from __future__ import annotations
@@ -67,11 +68,36 @@ def check_on_device(model: Any, path: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", nargs="?", type=Path)
+    parser.add_argument("paths", nargs="*", type=Path, metavar="PATH")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
 
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.stderr.write("no CUDA GPU\n")
+        return 2
+    if not args.paths:
+        from service.sample import place_samples
+
+        args.paths = place_samples(Path("models"))
+    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "files": []}
+    for path in args.paths:
+        sys.stdout.write(f"file: {path}\n")
+        results["files"].append(bench_file(str(path), args.repeat))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gpu.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def bench_file(path: str, repeat: int) -> dict[str, Any]:
+    """Every load mode on ``path`` with ``-ngl 99``; prints a line per mode and returns the figures.
+
+    Raises:
+        AssertionError: a tensor on the GPU differs from the file's bytes.
+    """
     import torch
 
     from service.loader.devices import discover_devices
@@ -79,21 +105,13 @@ def main() -> int:
     from service.loader.placement import make_params
     from service.loader.weights import open_model
 
-    if not torch.cuda.is_available():
-        sys.stderr.write("no CUDA GPU\n")
-        return 2
-    if args.path is None:
-        from service.sample import place_sample
-
-        args.path = place_sample(Path("models"))
-    path = str(args.path)
     index = open_model(path)
     devices = discover_devices(None)
-    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "file": path, "modes": {}}
+    results: dict[str, Any] = {"file": path, "modes": {}}
     for mode in MODES:
         params = make_params([d.default_buffer_type.name for d in devices], n_gpu_layers=99, load_mode=mode)
         times = []
-        for i in range(args.repeat):
+        for i in range(repeat):
             start = time.perf_counter()
             model = asyncio.run(load_model(index, devices=devices, params=params))
             torch.cuda.synchronize()
@@ -118,10 +136,8 @@ def main() -> int:
             f"{mode:<11} {seconds * 1000:8.1f} ms  {on_gpu / seconds / 1e9:6.2f} GB/s to the GPU "
             f"(pinned copy {on_gpu / base / 1e9:6.2f} GB/s, ratio {base / seconds:.3f}); every tensor verified\n"
         )
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu.json").write_text(json.dumps(results, indent=1))
-    return 0
+        sys.stdout.flush()
+    return results
 
 
 if __name__ == "__main__":

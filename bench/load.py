@@ -1,9 +1,10 @@
 """Load speed and memory: every load mode, onto the host and onto an emulated device,
 against a plain sequential read of the same file measured in the same run.
 
-    .venv/bin/python bench/load.py [PATH] [--repeat N] [--modes none,mmap,...]
+    .venv/bin/python bench/load.py [PATH ...] [--repeat N] [--modes none,mmap,...]
 
-PATH defaults to the sample model (placed with ``hoist sample``). Every measurement runs
+PATH defaults to every bundled real model (placed in ./models as ``hoist sample`` does),
+one after the other. Every measurement runs
 in a fresh process, so that each one starts with no memory of its own and its peak RSS
 is its own; the header is parsed before the clock starts (``bench/parse.py`` measures
 that). The baselines read the file's tensor data into a fresh buffer of that size,
@@ -120,22 +121,15 @@ def measure(kind: str, path: str, mode: str, repeat: int) -> list[dict[str, Any]
     return runs
 
 
-def default_path() -> Path:
-    from service.sample import place_sample
+def default_paths() -> list[Path]:
+    """Every bundled real model, placed in ./models."""
+    from service.sample import place_samples
 
-    return place_sample(Path("models"))
+    return place_samples(Path("models"))
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        sys.stdout.write(json.dumps(child(sys.argv[2], sys.argv[3], sys.argv[4])))
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", nargs="?", type=Path)
-    parser.add_argument("--repeat", type=int, default=5, help="runs per configuration (default 5)")
-    parser.add_argument("--modes", default="none,mmap,mlock,mmap+mlock,direct-io")
-    args = parser.parse_args()
-    path = str(args.path or default_path())
+def bench_file(path: str, repeat: int, modes: list[str]) -> list[str]:
+    """Every configuration on ``path``, ``repeat`` rounds; returns the report's lines."""
     measure("baseline", path, "buffered", 1)  # warm the page cache
 
     def median(runs: list[dict[str, Any]], key: str) -> float:
@@ -144,13 +138,13 @@ def main() -> int:
     # one run of every configuration per round, so that the machine's drift and noise
     # fall on all of them alike
     configs = [("baseline", "buffered"), ("baseline", "direct")]
-    configs += [(kind, mode) for mode in args.modes.split(",") for kind in ("host", "emu")]
+    configs += [(kind, mode) for mode in modes for kind in ("host", "emu")]
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {c: [] for c in configs}
-    for _ in range(args.repeat):
+    for _ in range(repeat):
         for kind, mode in configs:
             runs[(kind, mode)].extend(measure(kind, path, mode, 1))
     tensor_bytes = runs[configs[0]][0]["tensor_bytes"]
-    lines = [f"file: {path} ({tensor_bytes / MiB:.2f} MiB of tensor data), median of {args.repeat} runs each"]
+    lines = [f"file: {path} ({tensor_bytes / MiB:.2f} MiB of tensor data), median of {repeat} runs each"]
     for name in ("buffered", "direct"):
         t = median(runs[("baseline", name)], "seconds")
         lines.append(f"baseline {name:<8} read            {t * 1000:8.1f} ms  {tensor_bytes / t / 1e9:6.2f} GB/s")
@@ -166,7 +160,21 @@ def main() -> int:
             f"{mode:<11} {kind:<5} {t * 1000:8.1f}ms {tensor_bytes / t / 1e9:7.2f} {base / t:6.2f}   "
             f"{added / MiB:8.1f}Mi {bound / MiB:8.1f}Mi{verdict}"
         )
-    sys.stdout.write("\n".join(lines) + "\n")
+    return lines
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        sys.stdout.write(json.dumps(child(sys.argv[2], sys.argv[3], sys.argv[4])))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="*", type=Path, metavar="PATH")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per configuration (default 5)")
+    parser.add_argument("--modes", default="none,mmap,mlock,mmap+mlock,direct-io")
+    args = parser.parse_args()
+    for path in args.paths or default_paths():
+        sys.stdout.write("\n".join(bench_file(str(path), args.repeat, args.modes.split(","))) + "\n")
+        sys.stdout.flush()
     return 0
 
 

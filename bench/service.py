@@ -1,13 +1,13 @@
 """Polling a busy service: many clients follow load jobs while loads run.
 
-    .venv/bin/python bench/service.py [PATH] [--pollers 200] [--loads 3] [--interval 0.1]
+    .venv/bin/python bench/service.py [PATH | --sample NAME] [--pollers 200] [--loads 3] [--interval 0.1]
 
 Starts ``hoist serve`` (an emulated GPU whose uploads are paced, so that the loads last a
 few seconds), then in this process: ``--pollers`` clients that each poll one of the
 jobs (``GET /v1/loads/{id}``) every ``--interval`` seconds, first while nothing loads
-(the baseline), then while ``--loads`` loads of PATH (default: the sample model, placed
-with ``hoist sample``) run at once. Prints the poll latency p50 / p99 / max of both
-phases, their ratio, and how long each load took.
+(the baseline), then while ``--loads`` loads of PATH (default: the bundled model named by
+``--sample``, gemma3 unless given, placed with ``hoist sample``) run at once. Prints the
+poll latency p50 / p99 / max of both phases, their ratio, and how long each load took.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ def _seconds(iso: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", nargs="?", default=None, help="model file (default: the sample model)")
+    parser.add_argument("path", nargs="?", default=None, help="model file (default: the bundled model --sample)")
+    parser.add_argument("--sample", default="gemma3", help="which bundled model when no PATH is given")
     parser.add_argument("--pollers", type=int, default=200)
     parser.add_argument("--loads", type=int, default=3)
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between one poller's polls")
@@ -178,7 +179,7 @@ def main() -> int:
     if args.path is None:
         from service.sample import place_sample
 
-        path = place_sample(str(ROOT / "models"))
+        path = place_sample(str(ROOT / "models"), args.sample)
     else:
         path = Path(args.path).resolve()
     port = _free_port()

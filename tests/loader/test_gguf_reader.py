@@ -51,14 +51,19 @@ def test_every_value_type_reads_back_as_written(all_types_fixture: Fixture) -> N
             assert _same(value, entry.value, vtype), key
 
 
-def test_metadata_agrees_with_gguf_py(all_types_fixture: Fixture) -> None:
-    ours = read_gguf(all_types_fixture.path)
-    theirs = gguf.GGUFReader(all_types_fixture.path)
+def assert_kv_like_gguf_py(path: Path, theirs: gguf.GGUFReader) -> None:
+    """Every KV pair of ``path`` as hoist reads it has the key, order, value type and value
+    gguf-py's reader ``theirs`` gives."""
+    ours = read_gguf(path)
     keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
     assert keys == list(ours.kv)
     for key in keys:
         field = theirs.fields[key]
-        value = ours.kv[key].value
+        entry = ours.kv[key]
+        assert entry.type == field.types[0], key
+        value = entry.value
+        if isinstance(value, GGUFArray):
+            assert value.element_type == field.types[-1], key
         if isinstance(value, GGUFArray):
             if value.element_type == V.STRING:
                 assert value.string_bytes() == [bytes(field.parts[i]) for i in field.data]
@@ -69,19 +74,36 @@ def test_metadata_agrees_with_gguf_py(all_types_fixture: Fixture) -> None:
             assert field.contents() == pytest.approx(value) if isinstance(value, float) else field.contents() == value
 
 
-@pytest.mark.parametrize("fixture_name", ["all_types_fixture", "aligned_fixture"])
-def test_tensor_infos_agree_with_gguf_py(fixture_name: str, request: pytest.FixtureRequest) -> None:
-    fx: Fixture = request.getfixturevalue(fixture_name)
-    ours = read_gguf(fx.path)
-    theirs = gguf.GGUFReader(fx.path)
-    assert ours.alignment == fx.alignment
+def test_metadata_agrees_with_gguf_py(all_types_fixture: Fixture) -> None:
+    assert_kv_like_gguf_py(all_types_fixture.path, gguf.GGUFReader(all_types_fixture.path))
+
+
+def assert_tensor_infos_like_gguf_py(path: Path, theirs: gguf.GGUFReader, alignment: int) -> None:
+    """Every tensor info of ``path`` as hoist reads it, in file order, has the name, shape,
+    ggml type, size and data offset gguf-py's reader ``theirs`` gives."""
+    ours = read_gguf(path)
+    assert ours.alignment == alignment
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
         assert mine.ne == tuple(int(d) for d in ref.shape)
         assert mine.ggml_type.id == int(ref.tensor_type)
         assert mine.nbytes == int(ref.n_bytes)
         assert ours.data_offset + mine.offset == int(ref.data_offset)
-        assert (ours.data_offset + mine.offset) % fx.alignment == 0
+        assert (ours.data_offset + mine.offset) % alignment == 0
+
+
+@pytest.mark.parametrize("fixture_name", ["all_types_fixture", "aligned_fixture"])
+def test_tensor_infos_agree_with_gguf_py(fixture_name: str, request: pytest.FixtureRequest) -> None:
+    fx: Fixture = request.getfixturevalue(fixture_name)
+    assert_tensor_infos_like_gguf_py(fx.path, gguf.GGUFReader(fx.path), fx.alignment)
+
+
+@pytest.mark.sample
+def test_sample_header_agrees_with_gguf_py(sample_path: Path, sample_reader: gguf.GGUFReader) -> None:
+    """Each bundled model: every KV value and every tensor info as gguf-py reads them."""
+    assert_kv_like_gguf_py(sample_path, sample_reader)
+    field = sample_reader.fields.get("general.alignment")
+    assert_tensor_infos_like_gguf_py(sample_path, sample_reader, int(field.contents()) if field else 32)
 
 
 def test_alignment_other_than_default(aligned_fixture: Fixture) -> None:

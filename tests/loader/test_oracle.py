@@ -1,4 +1,4 @@
-"""Conformance with what llama.cpp itself decided on the sample model
+"""Conformance with what llama.cpp itself decided on the bundled real models
 (tests/data/oracle_configs.json): for every recorded configuration, the same flags on
 emulated devices of the same sizes give the same device per layer, the same
 ``model buffer size`` lines and offload lines, or the same error."""
@@ -9,6 +9,7 @@ import json
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,32 @@ ORACLE = json.loads((Path(__file__).resolve().parent.parent / "data" / "oracle_c
 pytestmark = pytest.mark.sample
 
 
+# the record's ``model`` -> the bundled model and, for a split, the tensors per file
+MODELS: dict[str, tuple[str, list[int] | None]] = {
+    "sample": ("gemma3", None),
+    "sample-split-3": ("gemma3", [100, 100, 36]),
+    "smollm2": ("smollm2", None),
+    "smollm2-split-3": ("smollm2", [100, 100, 72]),
+}
+
+
 @pytest.fixture(scope="module")
-def models(sample_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, WeightIndex]:
-    split_dir = tmp_path_factory.mktemp("split3")
-    first = split_gguf(sample_path, split_dir / "gemma", [100, 100, 36])[0]
-    return {"sample": open_model(sample_path), "sample-split-3": open_model(first)}
+def models(
+    sample_file: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], WeightIndex]:
+    """``models(name)``: the weights index of a record's model, opened once per module."""
+    opened: dict[str, WeightIndex] = {}
+
+    def get(name: str) -> WeightIndex:
+        if name not in opened:
+            sample, split = MODELS[name]
+            path = sample_file(sample)
+            if split is not None:
+                path = split_gguf(path, tmp_path_factory.mktemp(name) / sample, split)[0]
+            opened[name] = open_model(path)
+        return opened[name]
+
+    return get
 
 
 def _emulated(record: dict[str, Any]) -> str:
@@ -37,7 +59,7 @@ def _emulated(record: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(ORACLE))
-def test_oracle_record(name: str, models: dict[str, WeightIndex]) -> None:
+def test_oracle_record(name: str, models: Callable[[str], WeightIndex]) -> None:
     record = ORACLE[name]
     args = parse_args(
         ["plan", "MODEL", "--no-cuda", "--emulated-devices", _emulated(record), *shlex.split(record["flags"])]
@@ -45,14 +67,14 @@ def test_oracle_record(name: str, models: dict[str, WeightIndex]) -> None:
     devices = _devices(args)
     if record.get("error"):
         with pytest.raises(HoistError) as info:
-            plan(models[record["model"]], devices, _params(args, devices), memory=MemorySnapshot.take(devices))
+            plan(models(record["model"]), devices, _params(args, devices), memory=MemorySnapshot.take(devices))
         expected = record["error"][0]
         if "unknown buffer type" in expected:
             assert "unknown buffer type 'FOO'" in str(info.value)
         else:
             assert expected.split("error loading model: ")[1].replace("RPC0", "EMU0") in str(info.value)
         return
-    p = plan(models[record["model"]], devices, _params(args, devices), memory=MemorySnapshot.take(devices))
+    p = plan(models(record["model"]), devices, _params(args, devices), memory=MemorySnapshot.take(devices))
     assert p.layers == record["layers"]
     assert [(b.name, round(b.nbytes / (1 << 20), 2)) for b in p.buffers] == [
         (b["buffer"], b["MiB"]) for b in record["model_buffers"]
@@ -61,10 +83,17 @@ def test_oracle_record(name: str, models: dict[str, WeightIndex]) -> None:
     assert p.fits
 
 
-def test_hoist_plan_prints_llama_cpp_lines(sample_path: Path) -> None:
-    record = ORACLE["A10"]
+@pytest.mark.parametrize(
+    ("name", "layers"),
+    [
+        ("A10", "input CPU; blk.0-8 CPU; blk.9-13 EMU0; blk.14-17 EMU1; output EMU1"),
+        ("M10", "input CPU; blk.0-20 CPU; blk.21-25 EMU0; blk.26-29 EMU1; output EMU1"),
+    ],
+)
+def test_hoist_plan_prints_llama_cpp_lines(name: str, layers: str, sample_file: Callable[[str], Path]) -> None:
+    record = ORACLE[name]
     result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "plan", str(sample_path), "--no-cuda",
+        [sys.executable, "-m", "service.cli", "plan", str(sample_file(MODELS[record["model"]][0])), "--no-cuda",
          "--emulated-devices", _emulated(record), *shlex.split(record["flags"])],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
@@ -73,4 +102,4 @@ def test_hoist_plan_prints_llama_cpp_lines(sample_path: Path) -> None:
         f"{b['buffer']:>12} model buffer size = {b['MiB']:8.2f} MiB" for b in record["model_buffers"]
     ]
     assert result.stdout.splitlines() == expected
-    assert "layers: input CPU; blk.0-8 CPU; blk.9-13 EMU0; blk.14-17 EMU1; output EMU1" in result.stderr
+    assert f"layers: {layers}" in result.stderr

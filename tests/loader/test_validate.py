@@ -16,6 +16,7 @@ from service.loader import validate
 from service.loader.ggml_types import GGML_TYPES, GGML_TYPES_BY_NAME
 from service.loader.gguf import read_gguf
 from service.loader.validate import InvalidData, validate_row_data
+from tests.samples import FACTS
 
 # What ggml checks, written out from ggml-quants.c / ggml-common.h independently of the
 # module: for block types, each checked scale field as (name, byte offset in the block,
@@ -421,25 +422,29 @@ def test_gguf_quantized_data_validates(name: str) -> None:
 
 
 @pytest.mark.sample
-def test_sample_model_validates(sample_path: Path) -> None:
-    """Every tensor of the sample model (F32, Q4_K, Q5_0, Q6_K, Q8_0) is valid, read from the mapped file."""
+def test_sample_model_validates(sample_name: str, sample_path: Path) -> None:
+    """Every tensor of each bundled model is valid, read from the mapped file; a NaN in one
+    block scale of its quantized data is then found and placed."""
+    facts = FACTS[sample_name]
+    bad_type, block_nbytes, scale, at = facts.bad_scale
     gguf_file = read_gguf(sample_path)
     types = {t.ggml_type.name for t in gguf_file.tensors}
-    assert {"Q4_K", "Q8_0", "F32"} <= types
+    assert types == set(facts.tensor_types)
     with open(sample_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         data = np.frombuffer(mapped, np.uint8)
         try:
             for t in gguf_file.tensors:
                 start = gguf_file.data_offset + t.offset
                 assert validate_row_data(t.ggml_type.name, data[start : start + t.nbytes]) is None, t.name
-            # the same bytes with a NaN scale in one Q4_K block are rejected
-            q4k = next(t for t in gguf_file.tensors if t.ggml_type.name == "Q4_K")
-            start = gguf_file.data_offset + q4k.offset
-            copy = data[start : start + q4k.nbytes].copy()
+            # the same bytes with a NaN scale in one block are rejected
+            quantized = next(t for t in gguf_file.tensors if t.ggml_type.name == bad_type)
+            start = gguf_file.data_offset + quantized.offset
+            copy = data[start : start + quantized.nbytes].copy()
         finally:
             del data
-    copy[7 * 144 + 2 : 7 * 144 + 4] = np.array([0x7E00], "<u2").view(np.uint8)
-    assert validate_row_data("Q4_K", copy) == InvalidData("NaN in the block scale dmin of block 7", 7 * 144 + 2)
+    copy[7 * block_nbytes + at : 7 * block_nbytes + at + 2] = np.array([0x7E00], "<u2").view(np.uint8)
+    expected = InvalidData(f"NaN in the block scale {scale} of block 7", 7 * block_nbytes + at)
+    assert validate_row_data(bad_type, copy) == expected
 
 
 def test_64_mib_q8_0_is_fast() -> None:
