@@ -27,6 +27,7 @@ def limits_from(settings: Settings) -> Limits:
     return Limits(
         max_concurrent_loads=settings.max_concurrent_loads,
         max_queued_loads=settings.max_queued_loads,
+        max_resident_models=settings.max_resident_models,
         job_history=settings.job_history,
         request_workers=settings.request_workers,
         max_waiting_requests=settings.max_waiting_requests,
