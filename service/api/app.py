@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from service import __version__
 from service.api import errors
 from service.api.auth import BearerAuth
+from service.api.head import HeadAsGet
 from service.api.jobs import JobManager, Limits
 from service.api.limits import BodyLimit
 from service.api.routes import devices, health, loads, models, plans
@@ -66,5 +67,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if token is not None:
         app.add_middleware(BearerAuth, token=token)
+    app.add_middleware(HeadAsGet)
     app.add_middleware(errors.UnhandledErrors)
     return app

@@ -171,12 +171,14 @@ _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 def _allowed_methods(request: Request) -> list[str]:
     """Every method some route serves at the request's path (Starlette's own answer names
     only the methods of the first route whose path matches): each method is tried
-    against every route."""
+    against every route; ``HEAD`` is served wherever ``GET`` is (:mod:`.head`)."""
     allowed = []
     for method in _METHODS:
         scope = {"type": "http", "path": request.url.path, "method": method, "root_path": "", "headers": []}
         if any(route.matches(scope)[0] is Match.FULL for route in request.app.router.routes):
             allowed.append(method)
+    if "GET" in allowed and "HEAD" not in allowed:
+        allowed.insert(allowed.index("GET") + 1, "HEAD")
     return allowed
 
 
