@@ -345,6 +345,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args, args.models_dir)
     check_exposure(args.host, settings)
+    # uvicorn sets its own loggers' level; hoist's follow the same flag
+    logging.getLogger("service").setLevel(args.log_level.upper())
     raise_open_files_limit()
     app = create_app(settings)
     _check_port_free(args.host, args.port)
@@ -595,7 +597,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the least severe messages logged, by the server and by hoist (default: info)",
+    )
     p.add_argument(
         "--allow-unauthenticated",
         action="store_true",

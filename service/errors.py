@@ -254,6 +254,13 @@ class ConflictError(HoistError):
     code = "conflict"
 
 
+class ModelLimitError(ConflictError):
+    """As many models are resident or on their way (queued or loading) as the service
+    holds; one must be unloaded first."""
+
+    code = "model_limit"
+
+
 class PlacementError(HoistError):
     """No valid placement: bad placement flags, an unknown buffer type, a device
     without split buffers, a tensor larger than a device's largest allocation."""

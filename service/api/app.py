@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from service import __version__
 from service.api import errors
 from service.api.auth import BearerAuth
+from service.api.head import HeadAsGet
 from service.api.jobs import JobManager, Limits
 from service.api.limits import BodyLimit
 from service.api.routes import devices, health, loads, models, plans
@@ -28,6 +29,7 @@ def limits_from(settings: Settings) -> Limits:
     return Limits(
         max_concurrent_loads=settings.max_concurrent_loads,
         max_queued_loads=settings.max_queued_loads,
+        max_resident_models=settings.max_resident_models,
         job_history=settings.job_history,
         request_workers=settings.request_workers,
         max_waiting_requests=settings.max_waiting_requests,
@@ -69,5 +71,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if token is not None:
         app.add_middleware(BearerAuth, token=token)
+    app.add_middleware(HeadAsGet)
     app.add_middleware(errors.UnhandledErrors)
     return app

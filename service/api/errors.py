@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from http import HTTPStatus
 from typing import Any
 
@@ -127,8 +128,36 @@ _HTTP_CODES = {413: "content_too_large", 422: "unprocessable_content"}
 """Codes of statuses whose phrase differs between Python versions (RFC 9110 names)."""
 
 
+def unparsable_body(exc: BaseException) -> str | None:
+    """Why a request body could not be parsed as JSON, from the exception Python's
+    ``json.loads`` raised (FastAPI answers these with a bare 400 of its own, keeping the
+    cause); None for an exception that does not say the body is malformed.
+
+    The standard parser bounds nesting by the interpreter's recursion limit (a
+    ``RecursionError`` long before the stack runs out) and integers by
+    ``sys.get_int_max_str_digits()`` digits (a ``ValueError``).
+    """
+    if isinstance(exc, UnicodeDecodeError):
+        return f"the body is not valid {exc.encoding.upper()} (at byte {exc.start}: {exc.reason})"
+    if isinstance(exc, RecursionError):
+        return "the body's JSON is nested too deep to parse"
+    if isinstance(exc, ValueError) and "digits" in str(exc):
+        return f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits"
+    if isinstance(exc, ValueError):
+        return f"the body is not valid JSON ({clip(str(exc), 200)})"
+    return None
+
+
+def _unparsable_body(request: Request, why: str) -> JSONResponse:
+    errors = [{"loc": ["body"], "msg": why, "type": "json_invalid"}]
+    return problem(422, why, "validation_error", request.url.path, errors=errors)
+
+
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    why = unparsable_body(exc.__cause__) if exc.status_code == 400 and exc.__cause__ is not None else None
+    if why is not None:
+        return _unparsable_body(request, why)
     code = _HTTP_CODES.get(exc.status_code) or HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
     headers = dict(exc.headers or {})
     if exc.status_code == 405:
@@ -142,12 +171,14 @@ _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 def _allowed_methods(request: Request) -> list[str]:
     """Every method some route serves at the request's path (Starlette's own answer names
     only the methods of the first route whose path matches): each method is tried
-    against every route."""
+    against every route; ``HEAD`` is served wherever ``GET`` is (:mod:`.head`)."""
     allowed = []
     for method in _METHODS:
         scope = {"type": "http", "path": request.url.path, "method": method, "root_path": "", "headers": []}
         if any(route.matches(scope)[0] is Match.FULL for route in request.app.router.routes):
             allowed.append(method)
+    if "GET" in allowed and "HEAD" not in allowed:
+        allowed.insert(allowed.index("GET") + 1, "HEAD")
     return allowed
 
 
@@ -193,10 +224,19 @@ _MAX_ERRORS = 20
 """Validation errors listed in one response."""
 
 
+def _message(error: dict[str, Any]) -> str:
+    """A validation error's message, with the parser's reason for a body that is not
+    JSON (``JSON decode error`` alone does not say what is wrong)."""
+    reason = (error.get("ctx") or {}).get("error")
+    if error["type"] == "json_invalid" and isinstance(reason, str):
+        return f"{error['msg']}: {clip(reason, 200)}"
+    return str(error["msg"])
+
+
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = [
-        {"loc": [clip(x, 100) if isinstance(x, str) else x for x in e["loc"]], "msg": e["msg"], "type": e["type"]}
+        {"loc": [clip(x, 100) if isinstance(x, str) else x for x in e["loc"]], "msg": _message(e), "type": e["type"]}
         for e in exc.errors()[:_MAX_ERRORS]
     ]
     detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)

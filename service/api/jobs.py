@@ -33,6 +33,7 @@ from service.errors import (
     ConflictError,
     GoneError,
     HoistError,
+    ModelLimitError,
     ModelPathError,
     NotFoundError,
     RequestError,
@@ -181,6 +182,7 @@ class Limits:
 
     max_concurrent_loads: int = 1
     max_queued_loads: int = 8
+    max_resident_models: int = 64
     job_history: int = 256
     request_workers: int = 4
     max_waiting_requests: int = 32
@@ -340,6 +342,19 @@ class JobManager:
                 retry_after=5,
             )
 
+    def _check_models(self) -> None:
+        """Refuse a load when the resident models and the loads that will add one (queued
+        or running) are at ``max_resident_models``: each resident model costs a little
+        host memory whatever its size, and every listing and file check walks them."""
+        loading = sum(1 for j in self.jobs.values() if not j.state.terminal)
+        held = len(self.models) + loading
+        if held >= self.limits.max_resident_models:
+            raise ModelLimitError(
+                f"{len(self.models)} models are resident and {loading} loads queued or running "
+                f"(at most {self.limits.max_resident_models} models in all)",
+                hint="unload a model (DELETE /v1/models/{id}) or cancel a load first",
+            )
+
     def _free_slots(self) -> int:
         running = sum(1 for j in self.jobs.values() if j.state is JobState.RUNNING)
         return max(self.limits.max_concurrent_loads - running, 0)
@@ -352,6 +367,7 @@ class JobManager:
 
         Raises:
             BusyError: the queue of waiting loads is full, or too many requests wait.
+            ModelLimitError: as many models are resident or loading as the service holds.
             RequestError, ModelPathError: bad model path or flags.
             FormatError, SplitError, StorageError: not a valid, readable GGUF model.
             ByteOrderError: a big-endian file.
@@ -362,9 +378,11 @@ class JobManager:
         """
         options = options or LoadOptions()
         self._check_queue()
+        self._check_models()
         index, params, placement = await self.plan_model(model, flags, watch=watch)
         check_loadable(index)
         self._check_queue()
+        self._check_models()
         job = LoadJob(
             id=self._new_id(),
             model=model,

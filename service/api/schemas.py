@@ -141,8 +141,8 @@ class MemorySummaryOut(BaseModel):
     n_buffers: int
 
 
-class LoadJobOut(BaseModel):
-    """A load job (``GET /v1/loads/{id}``)."""
+class LoadJobListed(BaseModel):
+    """A load job as ``GET /v1/loads`` lists it: without its memory report."""
 
     id: str
     object: Literal["load_job"] = "load_job"
@@ -161,19 +161,28 @@ class LoadJobOut(BaseModel):
     warnings: list[str] = Field(default_factory=list, description="mlock limits, direct I/O fallbacks, ...")
     stats: dict[str, Any] | None = Field(default=None, description="How the bytes moved, once succeeded.")
     error: dict[str, Any] | None = None
-    memory: MemoryReportOut | None = Field(
-        default=None, description="Once succeeded, while the model is resident (not in listings)."
+    memory_summary: MemorySummaryOut | None = Field(
+        default=None, description="Once succeeded (kept once the model is unloaded)."
     )
-    memory_summary: MemorySummaryOut | None = Field(default=None, description="Once succeeded.")
-    model_id: str | None = Field(default=None, description="The loaded model's id, once succeeded.")
+    model_id: str | None = Field(
+        default=None, description="The loaded model's id, once succeeded (kept once the model is unloaded)."
+    )
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None
     links: dict[str, str]
 
 
+class LoadJobOut(LoadJobListed):
+    """A load job (``GET /v1/loads/{id}``)."""
+
+    memory: MemoryReportOut | None = Field(
+        default=None, description="The memory report, once succeeded, while the model is resident (null after)."
+    )
+
+
 class LoadJobList(BaseModel):
-    data: list[LoadJobOut]
+    data: list[LoadJobListed]
     total: int = Field(description="Jobs in all (listed or not).")
 
 
@@ -206,19 +215,27 @@ class DeviceList(BaseModel):
     data: list[DeviceOut]
 
 
-class ModelOut(BaseModel):
+class ModelListed(BaseModel):
+    """A resident model as ``GET /v1/models`` lists it: without its memory report."""
+
     id: str
     object: Literal["model"] = "model"
     model: str
     load_mode: str
     n_tensors: int
     loaded_at: datetime
-    memory: MemoryReportOut | None = Field(description="The whole report (not in listings).")
     memory_summary: MemorySummaryOut
 
 
+class ModelOut(ModelListed):
+    """A resident model (``GET /v1/models/{id}``)."""
+
+    memory: MemoryReportOut = Field(description="The whole report.")
+
+
 class ModelList(BaseModel):
-    data: list[ModelOut]
+    data: list[ModelListed]
+    total: int = Field(description="Resident models in all (listed or not).")
 
 
 class Problem(BaseModel):

@@ -28,6 +28,11 @@ class Settings(BaseSettings):
     """Loads that may wait in state ``queued``; beyond, ``POST /v1/loads`` answers 429
     with ``Retry-After`` (``HOIST_MAX_QUEUED_LOADS``)."""
 
+    max_resident_models: int = Field(default=64, ge=1, le=4096)
+    """Models resident at once, counting the queued and running loads that will add one;
+    beyond, ``POST /v1/loads`` answers 409 (``model_limit``) until a model is unloaded
+    (``HOIST_MAX_RESIDENT_MODELS``)."""
+
     emulated_devices: str | None = Field(default=None, max_length=4096)
     """Emulated GPUs to offer, as ``EMU0=3000MiB,EMU1=1000MiB`` (``HOIST_EMULATED_DEVICES``)."""
 

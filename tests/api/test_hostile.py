@@ -508,8 +508,8 @@ def test_unhandled_errors_are_problems(live_server: str, models_dir: Path, monke
         is_problem(refused, 405)
         assert refused.headers["allow"] == "GET, HEAD"
         assert client.head("/healthz").status_code == 200
-        assert client.put("/v1/loads").headers["allow"] == "GET, POST"
-        assert client.post("/v1/models/x").headers["allow"] == "GET, DELETE"
+        assert client.put("/v1/loads").headers["allow"] == "GET, HEAD, POST"
+        assert client.post("/v1/models/x").headers["allow"] == "GET, HEAD, DELETE"
         assert client.get("/healthz").status_code == 200
 
 

@@ -4,12 +4,21 @@ canonical names; it refuses the ``n_gpu_layers`` values llama.cpp refuses with a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.api.test_loads import wait_for
 from tests.helpers import block_model
+
+
+def _without_free(plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` without the free memory it was planned against (it changes from moment
+    to moment on a shared host)."""
+    for use in plan["devices_memory"]:
+        use.pop("free_bytes")
+    return plan
 
 
 def test_dio_over_the_api(live_server_emu: str, models_dir: Path) -> None:
@@ -21,7 +30,8 @@ def test_dio_over_the_api(live_server_emu: str, models_dir: Path) -> None:
         assert resp.status_code == 200, resp.text
         spelled = client.post("/v1/plans", json={"model": "m.gguf", "load_mode": "direct-io", "n_gpu_layers": 2})
         assert resp.json()["load_mode"] == "direct-io" == resp.json()["effective_load_mode"]
-        assert resp.json() == spelled.json()
+        # the same plan, but for host memory freed or taken by others between the two
+        assert _without_free(resp.json()) == _without_free(spelled.json())
         job = client.post("/v1/loads", json={"model": "m.gguf", "load_mode": "dio"})
         assert job.status_code == 202, job.text
         assert job.json()["load_mode"] == "direct-io"

@@ -84,23 +84,25 @@ def job_json(job: LoadJob, models_dir: str) -> bytes:
 
 
 def job_listed(job: LoadJob, models_dir: str) -> dict[str, Any]:
-    """A job as ``GET /v1/loads`` lists it: without its memory report (its summary is
-    kept)."""
+    """A job as ``GET /v1/loads`` lists it: without the ``memory`` key (its report; the
+    summary is kept)."""
     data = job_out(job, models_dir)
-    data["memory"] = None
+    del data["memory"]
     return data
 
 
 def model_out(resident: ResidentModel, *, full: bool = True) -> dict[str, Any]:
-    """A resident model; ``full``: with its memory report, else its summary only."""
-    report = resident.loaded.report
-    return {
+    """A resident model; ``full``: with its memory report (key ``memory``), else its
+    summary only, as listings show it."""
+    data = {
         "id": resident.id,
         "object": "model",
         "model": resident.model,
         "load_mode": resident.loaded.load_mode,
         "n_tensors": len(resident.loaded),
         "loaded_at": resident.loaded_at.isoformat(),
-        "memory": memory_out(report) if full else None,
         "memory_summary": resident_summary(resident),
     }
+    if full:
+        data["memory"] = memory_out(resident.loaded.report)
+    return data
