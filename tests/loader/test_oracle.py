@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from service.cli import _devices, _params, parse_args
+from service.cli import devices_for, parse_args, placement_params
 from service.errors import HoistError
 from service.loader.placement import MemorySnapshot, plan
 from service.loader.weights import WeightIndex, open_model
@@ -64,17 +64,17 @@ def test_oracle_record(name: str, models: Callable[[str], WeightIndex]) -> None:
     args = parse_args(
         ["plan", "MODEL", "--no-cuda", "--emulated-devices", _emulated(record), *shlex.split(record["flags"])]
     )
-    devices = _devices(args)
+    devices = devices_for(args)
     if record.get("error"):
         with pytest.raises(HoistError) as info:
-            plan(models(record["model"]), devices, _params(args, devices), memory=MemorySnapshot.take(devices))
+            plan(models(record["model"]), devices, placement_params(args, devices), memory=MemorySnapshot.take(devices))
         expected = record["error"][0]
         if "unknown buffer type" in expected:
             assert "unknown buffer type 'FOO'" in str(info.value)
         else:
             assert expected.split("error loading model: ")[1].replace("RPC0", "EMU0") in str(info.value)
         return
-    p = plan(models(record["model"]), devices, _params(args, devices), memory=MemorySnapshot.take(devices))
+    p = plan(models(record["model"]), devices, placement_params(args, devices), memory=MemorySnapshot.take(devices))
     assert p.layers == record["layers"]
     assert [(b.name, round(b.nbytes / (1 << 20), 2)) for b in p.buffers] == [
         (b["buffer"], b["MiB"]) for b in record["model_buffers"]

@@ -20,7 +20,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from service.cli import _devices, _params, parse_args
+from service.cli import devices_for, parse_args, placement_params
 from service.loader.pipeline import load_model
 from service.loader.placement import MemorySnapshot, Plan, plan
 from service.loader.tensor_classes import UNUSED_OP, LayerClass, classify, table_for
@@ -337,8 +337,8 @@ def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]]) -> P
 
 def _plan(path: Path, *flags: str) -> Plan:
     args = parse_args(["plan", str(path), "--no-cuda", "--emulated-devices", "EMU0=1GiB", *flags])
-    devices = _devices(args)
-    return plan(open_model(path), devices, _params(args, devices), memory=MemorySnapshot.take(devices))
+    devices = devices_for(args)
+    return plan(open_model(path), devices, placement_params(args, devices), memory=MemorySnapshot.take(devices))
 
 
 def test_t5_offloads_encoder_and_decoder_blocks(tmp_path: Path) -> None:
@@ -406,10 +406,10 @@ def test_t5_loads_as_planned(tmp_path: Path, load_mode: str) -> None:
     args = parse_args(
         ["plan", str(path), "--no-cuda", "--emulated-devices", "EMU0=1GiB", "-ngl", "99", "--load-mode", load_mode]
     )
-    devices = _devices(args)
+    devices = devices_for(args)
     index = open_model(path)
     raw = path.read_bytes()
-    with asyncio.run(load_model(index, devices=devices, params=_params(args, devices))) as model:
+    with asyncio.run(load_model(index, devices=devices, params=placement_params(args, devices))) as model:
         assert "dec.blk.0.cross_attn_rel_b.weight" not in model.tensors
         assert set(model.tensors) == set(index.weights) - {"dec.blk.0.cross_attn_rel_b.weight"}
         for name in ("enc.blk.2.attn_q.weight", "dec.blk.1.cross_attn_o.weight", "dec.output_norm.weight"):

@@ -1,0 +1,7 @@
+"""``python -m service.cli``: the ``hoist`` command."""
+
+import sys
+
+from service.cli.entry import main
+
+sys.exit(main())

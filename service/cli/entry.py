@@ -1,0 +1,46 @@
+"""The ``hoist`` command's entry point: parse, set up logging, run the command, and turn
+the errors hoist anticipates into one line on stderr and an exit status."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Sequence
+
+from rich.markup import escape
+
+from service.cli.console import err
+from service.cli.exit_codes import EXIT_DOES_NOT_FIT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE
+from service.cli.parser import parse_args
+from service.errors import BudgetExceededError, HoistError
+from service.loader.summary import printable
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hoist`` command; returns the exit status."""
+    args = parse_args(argv)
+    from rich.logging import RichHandler
+
+    # log through the same console as the progress bars, so that lines never garble them
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(name)s: %(message)s",
+        handlers=[RichHandler(console=err, show_time=False, show_path=False, markup=False)],
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except HoistError as exc:
+        err.print(f"[red]hoist: error:[/red] {escape(printable(exc.describe()))}")
+        return EXIT_DOES_NOT_FIT if isinstance(exc, BudgetExceededError) else EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        from pydantic import ValidationError
+
+        if isinstance(exc, ValidationError):
+            msgs = "; ".join(e["msg"] for e in exc.errors())
+            err.print(f"[red]hoist: error:[/red] invalid settings: {escape(msgs)}")
+            return EXIT_USAGE
+        raise
