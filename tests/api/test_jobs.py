@@ -163,11 +163,21 @@ async def test_loads_beyond_the_mapping_limit_are_refused_at_submit(tmp_path: Pa
         await jobs.close()
 
 
-async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(tmp_path: Path) -> None:
+async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from service.api.admission import DESCRIPTORS
     from service.errors import BudgetExceededError
     from service.loader.pipeline.options import LoadOptions
 
+    release = threading.Event()
+    work = Worker._work
+
+    def held(self: Worker) -> None:
+        release.wait(30)  # the first load holds its reservation until the others are submitted
+        work(self)
+
+    monkeypatch.setattr(Worker, "_work", held)
     models = _models_with_m(tmp_path)
     jobs = JobManager(str(models), [CPUDevice()], Limits())
     jobs.reservations.descriptor_capacity = 3
@@ -177,6 +187,7 @@ async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(tmp_path:
         with pytest.raises(BudgetExceededError, match="file descriptors.*RLIMIT_NOFILE"):
             await jobs.submit("m.gguf", {"load_mode": "none"}, options=LoadOptions(check_tensors=True))
         second = await jobs.submit("m.gguf", {"load_mode": "none"})
+        release.set()
         while not (first.state.terminal and second.state.terminal):
             await asyncio.sleep(0.01)
         assert first.state is JobState.SUCCEEDED and second.state is JobState.SUCCEEDED
