@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import logging.config
 import os
 import sys
 import time
@@ -342,8 +343,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from service.api.app import create_app
     from service.api.server import raise_open_files_limit, server_config
+    from service.logs import log_config
 
     settings = _settings(args, args.models_dir)
+    logging.config.dictConfig(log_config(settings.log_format, args.log_level))  # before anything logs
     check_exposure(args.host, settings)
     raise_open_files_limit()
     app = create_app(settings)
@@ -635,14 +638,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hoist`` command; returns the exit status."""
     args = parse_args(argv)
-    from rich.logging import RichHandler
+    from service.logs import cli_handler
 
-    # log through the same console as the progress bars, so that lines never garble them
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(name)s: %(message)s",
-        handlers=[RichHandler(console=err, show_time=False, show_path=False, markup=False)],
-    )
+    # on a terminal, log through the same console as the progress bars, so that lines
+    # never garble them; elsewhere, plain lines that are never wrapped
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", handlers=[cli_handler(err)])
     logging.getLogger("httpx").setLevel(logging.WARNING)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
