@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from service import __version__
 from service.api import errors
@@ -15,7 +16,8 @@ from service.api.auth import BearerAuth
 from service.api.head import HeadAsGet
 from service.api.jobs import JobManager, Limits
 from service.api.limits import BodyLimit
-from service.api.routes import devices, health, loads, models, plans
+from service.api.metrics import Metrics
+from service.api.routes import devices, health, loads, metrics, models, plans
 from service.api.server import connection_limit
 from service.api.settings import Settings
 from service.loader.devices import discover_devices
@@ -52,25 +54,35 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or Settings()
     token = settings.token()
+    telemetry = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         devices = discover_devices(settings.emulated_devices, cuda=settings.cuda)
         jobs = JobManager(str(settings.models_dir), devices, limits_from(settings))
+        telemetry.loads.bind(devices)
+        jobs.observer = telemetry.loads
         jobs.start()
         logger.info("serving models from %s on %s", settings.models_dir, ", ".join(d.name for d in devices))
         try:
-            yield {"jobs": jobs, "devices": devices, "settings": settings}
+            yield {"jobs": jobs, "devices": devices, "settings": settings, "metrics": telemetry}
         finally:
             await jobs.close()
+            telemetry.close()
 
-    app = FastAPI(title="hoist", version=__version__, lifespan=lifespan)
+    # /docs and /redoc with Swagger UI's and ReDoc's assets served from
+    # /static-offline-docs (no CDN); no online validator badge either
+    app = FastAPIOffline(
+        title="hoist", version=__version__, lifespan=lifespan, swagger_ui_parameters={"validatorUrl": None}
+    )
     errors.install(app)
-    for router in (health.router, loads.router, plans.router, models.router, devices.router):
+    for router in (health.router, loads.router, plans.router, models.router, devices.router, metrics.router):
         app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if token is not None:
         app.add_middleware(BearerAuth, token=token)
     app.add_middleware(HeadAsGet)
+    # outside the token check, so that refused requests are counted too
+    telemetry.instrument(app)
     app.add_middleware(errors.UnhandledErrors)
     return app

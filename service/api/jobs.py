@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import aiofiles.os
 
@@ -45,6 +45,7 @@ from service.loader.model import LoadedModel, MemoryReport
 from service.loader.pipeline import LoadOptions, Progress, check_loadable, load_plan, staging_nbytes
 from service.loader.placement import MemorySnapshot, PlacementParams, Plan, make_params, plan
 from service.loader.weights import WeightIndex, open_model
+from service.logs import bind_load
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,16 @@ class Limits:
     """File descriptors loads may not use (the connections' share)."""
 
 
+class LoadObserver(Protocol):
+    """What is told of loads as they run (the metrics); called on the event loop."""
+
+    def load_progressed(self, job: LoadJob, nbytes: int) -> None:
+        """``nbytes`` more tensor bytes of ``job`` are in memory."""
+
+    def load_ended(self, job: LoadJob) -> None:
+        """``job``'s task ended (its state is terminal unless the service is stopping)."""
+
+
 MAX_MODEL_PATH = 4096
 """Longest model path a request may give, in bytes (PATH_MAX)."""
 
@@ -255,6 +266,7 @@ class JobManager:
         self._slots = asyncio.Semaphore(self.limits.max_concurrent_loads)
         self._counter = itertools.count(1)
         self._watcher: asyncio.Task[None] | None = None
+        self.observer: LoadObserver | None = None
 
     def _new_id(self) -> str:
         return f"lj_{next(self._counter):04d}{secrets.token_hex(4)}"
@@ -412,6 +424,8 @@ class JobManager:
         if job.id not in self.models:
             self.reservations.release(job.id)
             job.plan = None
+        if self.observer is not None:
+            self.observer.load_ended(job)
 
     def _prune(self) -> None:
         """Forget the oldest ended jobs beyond ``job_history``."""
@@ -435,12 +449,17 @@ class JobManager:
             if job.state is not JobState.QUEUED:
                 return
             job.transition(JobState.RUNNING)
+            bind_load(job.id, job.model)  # this task's log records name the job and model
+            assert job.plan is not None
+            for line in job.plan.offload_lines():
+                logger.info("%s", line)  # llama.cpp's offload lines, verbatim
 
             def on_progress(p: Progress) -> None:
+                if self.observer is not None:
+                    self.observer.load_progressed(job, p.bytes_done - job.bytes_done)
                 job.bytes_done = p.bytes_done
                 job.bytes_total = p.bytes_total
 
-            assert job.plan is not None
             limit = self.limits.load_timeout_s or None
             try:
                 async with asyncio.timeout(limit):
@@ -482,6 +501,8 @@ class JobManager:
                     logger.warning("load %s of %s: %s", job.id, job.model, warning)
             job.stats = loaded.stats.to_dict()
             job.transition(JobState.SUCCEEDED)
+            for line in loaded.report.lines():
+                logger.info("%s", line)  # llama.cpp's buffer lines, verbatim
             logger.info("loaded %s as %s (%d bytes)", job.model, job.id, loaded.report.total_nbytes)
 
     def cancel(self, job_id: str) -> LoadJob:

@@ -24,6 +24,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.api.errors import PROBLEM_JSON
 from service.api.settings import Settings
+from service.logs import log_config
 
 KEEP_ALIVE_S = 5
 """Seconds an idle keep-alive connection stays open."""
@@ -274,7 +275,9 @@ def guarded_protocol(settings: Settings) -> type[GuardedHttpToolsProtocol]:
 
 def server_config(app: Any, settings: Settings, *, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     """The uvicorn configuration hoist serves with: uvloop, the guarded httptools
-    protocol, and the settings' limits."""
+    protocol, the settings' limits, and logging in the settings' format for every
+    logger, uvicorn's server and access logs included (:func:`service.logs.log_config`,
+    applied when the configuration is made)."""
     return uvicorn.Config(
         app,
         host=host,
@@ -282,6 +285,7 @@ def server_config(app: Any, settings: Settings, *, host: str, port: int, log_lev
         loop="uvloop",
         http=guarded_protocol(settings),
         log_level=log_level,
+        log_config=log_config(settings.log_format, log_level),
         timeout_keep_alive=KEEP_ALIVE_S,
         # no websocket routes: an upgrade request is an ordinary request (and a 404)
         ws="none",

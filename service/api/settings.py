@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.logs import LogFormat
+
 MAX_TOKEN_FILE_BYTES = 4096
 """Largest API token file read."""
 
@@ -113,6 +115,11 @@ class Settings(BaseSettings):
     """How often the files of resident models with mapped tensors are checked; a model
     whose file shrank or was rewritten is unloaded before anything reads its pages
     (``HOIST_FILE_CHECK_INTERVAL_S``; 0: never)."""
+
+    log_format: LogFormat = Field(default=LogFormat.TEXT)
+    """How ``hoist serve`` writes its log records, uvicorn's access log included:
+    ``text`` lines or ``json`` lines (one object a record, with ``job_id`` and ``model``
+    on a load's records) (``HOIST_LOG_FORMAT``)."""
 
     @field_validator("emulated_devices")
     @classmethod

@@ -19,14 +19,11 @@ from service.loader.summary import printable
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hoist`` command; returns the exit status."""
     args = parse_args(argv)
-    from rich.logging import RichHandler
+    from service.logs import cli_handler
 
-    # log through the same console as the progress bars, so that lines never garble them
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(name)s: %(message)s",
-        handlers=[RichHandler(console=err, show_time=False, show_path=False, markup=False)],
-    )
+    # on a terminal, log through the same console as the progress bars, so that lines
+    # never garble them; elsewhere, plain lines that are never wrapped
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", handlers=[cli_handler(err)])
     logging.getLogger("httpx").setLevel(logging.WARNING)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.config
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +88,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from service.api.app import create_app
     from service.api.server import raise_open_files_limit, server_config
+    from service.logs import log_config
 
     settings = settings_for(args, args.models_dir)
+    logging.config.dictConfig(log_config(settings.log_format, args.log_level))  # before anything logs
     check_exposure(args.host, settings)
     # uvicorn sets its own loggers' level; hoist's follow the same flag
     logging.getLogger("service").setLevel(args.log_level.upper())
