@@ -15,9 +15,9 @@ from service.api.auth import BearerAuth
 from service.api.head import HeadAsGet
 from service.api.jobs import JobManager, Limits
 from service.api.limits import BodyLimit
-from service.api.routes import devices, health, loads, models, plans
+from service.api.routes import devices, files, health, loads, models, plans
 from service.api.server import connection_limit
-from service.api.settings import Settings
+from service.api.settings import Settings, preload_specs
 from service.loader.devices import discover_devices
 from service.loader.gguf import HeaderLimits
 
@@ -38,6 +38,8 @@ def limits_from(settings: Settings) -> Limits:
         file_check_interval_s=settings.file_check_interval_s,
         load_timeout_s=settings.load_timeout_s,
         descriptors_kept=connection_limit(settings),
+        keep_alive_s=settings.keep_alive_s(),
+        evict_idle=settings.evict_idle,
         header_limits=HeaderLimits(
             settings.max_gguf_header_bytes, settings.max_kv_pairs, settings.max_tensors, settings.max_splits
         ),
@@ -58,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         devices = discover_devices(settings.emulated_devices, cuda=settings.cuda)
         jobs = JobManager(str(settings.models_dir), devices, limits_from(settings))
         jobs.start()
+        jobs.preload(preload_specs(settings.preload))
         logger.info("serving models from %s on %s", settings.models_dir, ", ".join(d.name for d in devices))
         try:
             yield {"jobs": jobs, "devices": devices, "settings": settings}
@@ -66,7 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="hoist", version=__version__, lifespan=lifespan)
     errors.install(app)
-    for router in (health.router, loads.router, plans.router, models.router, devices.router):
+    for router in (health.router, loads.router, plans.router, models.router, files.router, devices.router):
         app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if token is not None:

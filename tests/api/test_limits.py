@@ -137,7 +137,7 @@ def test_splits_are_bounded_in_number_and_in_bytes_read(live_server: str, models
 
 
 def test_a_symbolic_link_swapped_after_the_check_cannot_lead_outside(tmp_path: Path, models_dir: Path) -> None:
-    from service.api.jobs import JobManager
+    from service.api.jobs import JobManager, PlacementFlags
     from service.loader.devices import CPUDevice
     from service.loader.weights import open_model
 
@@ -161,7 +161,7 @@ def test_a_symbolic_link_swapped_after_the_check_cannot_lead_outside(tmp_path: P
             real, jobs_module.resolve_model_path = jobs_module.resolve_model_path, resolved
             try:
                 with pytest.raises(RequestError, match="outside the models directory"):
-                    await jobs.plan_model("link.gguf", {})
+                    await jobs.plan_model("link.gguf", PlacementFlags())
             finally:
                 jobs_module.resolve_model_path = real
         finally:
