@@ -222,10 +222,13 @@ class JobManager:
         devices' buffer types). Raises RequestError or PlacementError."""
         return flags.params([d.default_buffer_type.name for d in self.devices])
 
-    async def plan_model(self, model: str, flags: PlacementFlags, *, watch: Watch | None = None) -> Planned:
+    async def plan_model(
+        self, model: str, flags: PlacementFlags, *, watch: Watch | None = None, capacities: bool = False
+    ) -> Planned:
         """Parse ``model`` and plan its placement with ``flags`` (a dry run), on the
         request threads, within the request time limit; stops when ``watch`` returns
-        (the client went away).
+        (the client went away). ``capacities``: also read the devices' capacities for
+        admission (empty otherwise).
 
         Raises:
             RequestError, ModelPathError: bad model path or flags.
@@ -245,7 +248,7 @@ class JobManager:
             placement = plan(
                 index, self.devices, params, memory=memory, cancel=token, match_budget_s=self.limits.override_budget_s
             )
-            return Planned(index, params, placement, self.reservations.capacities())
+            return Planned(index, params, placement, self.reservations.capacities() if capacities else {})
 
         return await self.offloader.run(work, what=f"planning '{clip(model, 200)}'", watch=watch)
 
@@ -379,7 +382,7 @@ class JobManager:
             # refused before the planning work when nothing resident could be shared
             self.runner.check_queue()
             self._check_models()
-        planned = await self.plan_model(spec.model, spec.flags, watch=watch)
+        planned = await self.plan_model(spec.model, spec.flags, watch=watch, capacities=True)
         check_loadable(planned.index)
         key = share_key(planned.index, planned.params, planned.plan)
         async with self._admission:

@@ -7,6 +7,7 @@ import gc
 import threading
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -163,7 +164,10 @@ async def test_loads_beyond_the_mapping_limit_are_refused_at_submit(tmp_path: Pa
         await jobs.close()
 
 
-async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(tmp_path: Path) -> None:
+async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.api import runner
     from service.api.admission import DESCRIPTORS
     from service.errors import BudgetExceededError
     from service.loader.pipeline.options import LoadOptions
@@ -171,6 +175,14 @@ async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(tmp_path:
     models = _models_with_m(tmp_path)
     jobs = JobManager(str(models), [CPUDevice()], Limits())
     jobs.reservations.descriptor_capacity = 3
+    go = asyncio.Event()
+    real = runner.load_plan
+
+    async def held(*args: Any, **kwargs: Any) -> Any:  # the first load runs until told
+        await go.wait()
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "load_plan", held)
     try:
         checked = LoadOptions(check_tensors=True)
         first = await jobs.submit(LoadSpec.of("m.gguf", name="a", options=checked, load_mode="none"))
@@ -178,6 +190,7 @@ async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(tmp_path:
         with pytest.raises(BudgetExceededError, match="file descriptors.*RLIMIT_NOFILE"):
             await jobs.submit(LoadSpec.of("m.gguf", name="b", options=checked, load_mode="none"))
         second = await jobs.submit(LoadSpec.of("m.gguf", name="b", load_mode="none"))
+        go.set()
         while not (first.state.terminal and second.state.terminal):
             await asyncio.sleep(0.01)
         assert first.state is JobState.SUCCEEDED and second.state is JobState.SUCCEEDED

@@ -202,8 +202,8 @@ def test_listings_are_paged_and_compact(live_server: str, models_dir: Path) -> N
     _many_tensors(models_dir / "m.gguf", 20)
     with httpx.Client(base_url=live_server, timeout=60) as client:
         ids = []
-        for _ in range(3):
-            resp = client.post("/v1/loads", json={"model": "m.gguf", "load_mode": "mmap"})
+        for i in range(3):  # three copies, by three names
+            resp = client.post("/v1/loads", json={"model": "m.gguf", "load_mode": "mmap", "name": f"m{i}"})
             assert resp.status_code == 202, resp.text
             ids.append(wait_for(client, resp.headers["location"], ENDED)["id"])
         page = client.get("/v1/loads", params={"limit": 2, "offset": 1}).json()

@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
+from starlette.convertors import StringConvertor, register_url_convertor
 
 from service.api.deps import JobsDep
 from service.api.errors import problem
@@ -16,6 +17,16 @@ from service.api.schemas import COMMON_PROBLEMS, ModelList, ModelOut, ModelReady
 from service.errors import NotFoundError
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=COMMON_PROBLEMS)
+
+
+class ModelRef(StringConvertor):
+    """A model reference in a path: a name may hold slashes, and never ends in
+    ``/ready`` (that path is the model's readiness, answered for ``GET`` only)."""
+
+    regex = r"(?!.*/ready$).+"
+
+
+register_url_convertor("model_ref", ModelRef())
 
 
 @router.get("", response_model=ModelList, responses=problem_responses(422))
@@ -53,13 +64,13 @@ async def model_ready(ref: str, jobs: JobsDep, request: Request) -> JSONResponse
     return JSONResponse({"name": resident.name, "id": resident.id, "ready": True})
 
 
-@router.get("/{ref:path}", response_model=ModelOut, responses=problem_responses(404))
+@router.get("/{ref:model_ref}", response_model=ModelOut, responses=problem_responses(404))
 async def get_model(ref: str, jobs: JobsDep) -> JSONResponse:
     """One loaded model, by name, id, or the id of a load that referenced it."""
     return JSONResponse(model_out(jobs.get_model(ref)))
 
 
-@router.delete("/{ref:path}", response_model=ModelOut, responses=problem_responses(404))
+@router.delete("/{ref:model_ref}", response_model=ModelOut, responses=problem_responses(404))
 async def unload_model(ref: str, jobs: JobsDep) -> JSONResponse:
     """Drop one reference of a model (by name, id, or the id of a load that referenced
     it); the last one unloads it: its buffers and mappings are released (off the event
