@@ -509,8 +509,9 @@ class JobManager:
     # -- preloading and readiness -------------------------------------------------
 
     def preload(self, specs: Sequence[LoadSpec]) -> None:
-        """Submit ``specs`` one after another in the background (the service answers
-        meanwhile); :meth:`readiness` tells when their models are resident."""
+        """Load ``specs`` one after another in the background (the service answers
+        meanwhile), each submitted once the one before ended; :meth:`readiness` tells
+        when their models are resident."""
         self.preloads = [Preload(spec, spec.name or spec.model) for spec in specs]
         if self.preloads:
             self._preloading = asyncio.create_task(self._preload(), name="hoist preload")
@@ -518,10 +519,15 @@ class JobManager:
     async def _preload(self) -> None:
         for item in self.preloads:
             try:
-                item.job_id = (await self.submit(item.spec)).id
+                job = await self.submit(item.spec)
             except HoistError as exc:
                 item.error = public_error(exc, self.models_dir)
                 logger.error("preloading %s failed: %s", item.spec.model, item.error["message"])
+                continue
+            item.job_id = job.id
+            # one at a time: the next is admitted beside this one's model, not its load
+            if job.task is not None:
+                await asyncio.gather(job.task, return_exceptions=True)
 
     def readiness(self) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
         """(names resident, names pending with their job, names failed with the error)
