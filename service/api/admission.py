@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from service.errors import BudgetExceededError
@@ -174,11 +174,13 @@ class Reservations:
             descriptor_limit() - descriptors_now() - descriptors_kept - self.DESCRIPTOR_MARGIN, 0
         )
 
-    def reserved(self, memory: str, *, excluding: str | None = None) -> tuple[int, int]:
-        """Bytes reserved in ``memory`` and by how many owners (``excluding`` one)."""
+    def reserved(self, memory: str, *, excluding: str | Collection[str] | None = None) -> tuple[int, int]:
+        """Bytes reserved in ``memory`` and by how many owners (``excluding`` one, or
+        several)."""
+        skip = {excluding} if isinstance(excluding, str) else set(excluding or ())
         total = holders = 0
         for owner, needs in self.owners.items():
-            if owner != excluding and needs.get(memory):
+            if owner not in skip and needs.get(memory):
                 total += needs[memory]
                 holders += 1
         return total, holders
@@ -200,24 +202,48 @@ class Reservations:
             capacity, mem = device.capacity()
         return None if mem.total == 0 else (capacity, mem.free)
 
-    def shortfalls(self, owner: str, needs: dict[str, int]) -> list[Shortfall]:
-        """The memories where ``needs`` does not fit beside the other owners'."""
+    def capacities(self) -> dict[str, tuple[int, int] | None]:
+        """(capacity, free now) of every device's memory, as :meth:`shortfalls` counts
+        them (None where a device reports none). Blocking: a device's memory query can
+        take a while (CUDA), so callers on the event loop run it on a thread."""
+        return {name: self._capacity(name) for name in self.devices}
+
+    def shortfalls(
+        self,
+        owner: str,
+        needs: dict[str, int],
+        *,
+        capacities: Mapping[str, tuple[int, int] | None] | None = None,
+        excluding: Collection[str] = (),
+    ) -> list[Shortfall]:
+        """The memories where ``needs`` does not fit beside the other owners' (but those
+        in ``excluding``), with device capacities from ``capacities`` where it has them
+        (:meth:`capacities`, taken a moment ago) and queried now otherwise."""
         out = []
         for memory, needed in needs.items():
-            cap = self._capacity(memory)
+            cap = capacities[memory] if capacities is not None and memory in capacities else self._capacity(memory)
             if cap is None or not needed:
                 continue
             capacity, free = cap
-            reserved, holders = self.reserved(memory, excluding=owner)
+            reserved, holders = self.reserved(memory, excluding={owner, *excluding})
             available = max(capacity - reserved, 0)
             if needed > available:
                 out.append(Shortfall(memory, needed, available, free, reserved, holders))
         return out
 
-    def reserve(self, owner: str, needs: dict[str, int], *, model: str | None = None, metadata: int = 0) -> None:
+    def reserve(
+        self,
+        owner: str,
+        needs: dict[str, int],
+        *,
+        model: str | None = None,
+        metadata: int = 0,
+        capacities: Mapping[str, tuple[int, int] | None] | None = None,
+    ) -> None:
         """Reserve ``needs`` (per memory) for ``owner``, replacing what it had, and
         ``metadata`` more host bytes that the owner holds already (its parsed model),
-        which count as held by hoist until :meth:`release`.
+        which count as held by hoist until :meth:`release`. ``capacities``: as
+        :meth:`shortfalls` takes them (taken after the metadata was parsed).
 
         Raises:
             BudgetExceededError: some memory cannot hold it beside the other owners'
@@ -229,7 +255,11 @@ class Reservations:
         HOST_MEMORY.add(added)
         if metadata:
             needs["CPU"] = needs.get("CPU", 0) + metadata
-        short = self.shortfalls(owner, needs)
+        if capacities is not None and capacities.get("CPU") is not None:
+            # host capacity counts what hoist holds: the metadata now held, too
+            capacity, free = capacities["CPU"]  # type: ignore[misc]
+            capacities = {**capacities, "CPU": (capacity + added, free)}
+        short = self.shortfalls(owner, needs, capacities=capacities)
         if short:
             HOST_MEMORY.add(-added)
             raise BudgetExceededError(

@@ -17,9 +17,9 @@ from service.api.head import HeadAsGet
 from service.api.jobs import JobManager, Limits
 from service.api.limits import BodyLimit
 from service.api.metrics import Metrics
-from service.api.routes import devices, health, loads, metrics, models, plans
+from service.api.routes import devices, files, health, loads, metrics, models, plans
 from service.api.server import connection_limit
-from service.api.settings import Settings
+from service.api.settings import Settings, preload_specs
 from service.loader.devices import discover_devices
 from service.loader.gguf import HeaderLimits
 
@@ -40,6 +40,8 @@ def limits_from(settings: Settings) -> Limits:
         file_check_interval_s=settings.file_check_interval_s,
         load_timeout_s=settings.load_timeout_s,
         descriptors_kept=connection_limit(settings),
+        keep_alive_s=settings.keep_alive_s(),
+        evict_idle=settings.evict_idle,
         header_limits=HeaderLimits(
             settings.max_gguf_header_bytes, settings.max_kv_pairs, settings.max_tensors, settings.max_splits
         ),
@@ -61,8 +63,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         devices = discover_devices(settings.emulated_devices, cuda=settings.cuda)
         jobs = JobManager(str(settings.models_dir), devices, limits_from(settings))
         telemetry.loads.bind(devices)
-        jobs.observer = telemetry.loads
+        jobs.runner.observer = telemetry.loads
         jobs.start()
+        jobs.preload(preload_specs(settings.preload))
         logger.info("serving models from %s on %s", settings.models_dir, ", ".join(d.name for d in devices))
         try:
             yield {"jobs": jobs, "devices": devices, "settings": settings, "metrics": telemetry}
@@ -76,7 +79,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="hoist", version=__version__, lifespan=lifespan, swagger_ui_parameters={"validatorUrl": None}
     )
     errors.install(app)
-    for router in (health.router, loads.router, plans.router, models.router, devices.router, metrics.router):
+    routers = (health, loads, plans, models, files, devices, metrics)
+    for router in (r.router for r in routers):
         app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if token is not None:

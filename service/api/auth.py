@@ -1,4 +1,4 @@
-"""Bearer token authentication of every request but the liveness probe, as a pure ASGI
+"""Bearer token authentication of every request but the health probes, as a pure ASGI
 middleware (so that it covers every route, websockets and unknown paths alike)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.errors import problem
 
-OPEN_PATHS = frozenset({"/healthz"})
-"""Paths served without a token (liveness must not depend on a secret)."""
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+"""Paths served without a token (liveness and readiness probes must not depend on a
+secret; neither says more than which preloaded models are resident)."""
 
 
 def _digest(value: bytes) -> bytes:

@@ -1,180 +1,66 @@
-"""Load jobs: a load runs in the background as an asyncio task whose state, progress and
-result the API reads; loaded models stay resident until unloaded.
+"""The job manager: where load requests are admitted, and what ties the job runner
+(:mod:`.runner`) to the model registry (:mod:`.registry`).
 
 Submitting is where requests are refused: the model path is resolved inside the models
-directory, the header read and the placement planned on a bounded pool of threads
-(:mod:`.offload`), a big-endian file refused, the number of waiting loads bounded, and
-the plan's memory reserved on every device beside the loads and models already admitted
-(:mod:`.admission`).
+directory, the header read and the placement planned once on a bounded pool of threads
+(:mod:`.offload`), a big-endian file refused, the name checked, the number of waiting
+loads bounded, and the plan's memory reserved on every device beside the loads and
+models already admitted (:mod:`.admission`), least-recently-used models evicted first
+when the service is set to. A load of a model resident under the same name (or any
+name, when none is given) with the same files and resolved placement shares it instead.
+The load runs the plan made here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
 import os
-import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any
 
 import aiofiles.os
 
 from service.api.admission import Reservations, metadata_nbytes, plan_needs
+from service.api.catalog import Summaries
 from service.api.encode import plan_json
-from service.api.errors import public_error
+from service.api.errors import public_error, scrub_paths
+from service.api.keepalive import FOREVER
 from service.api.offload import Offloader, Watch
+from service.api.registry import LoadInProgressError, ModelRegistry, NameTakenError, ResidentModel
+from service.api.runner import JobRunner, JobState, LoadJob, plan_summary
+from service.api.spec import LoadSpec, PlacementFlags, ShareKey, check_name, share_key
 from service.cancel import CancelToken
 from service.errors import (
-    BusyError,
-    ConflictError,
+    BudgetExceededError,
     GoneError,
     HoistError,
     ModelLimitError,
     ModelPathError,
-    NotFoundError,
     RequestError,
     clip,
 )
 from service.loader.devices import Device
 from service.loader.gguf import HeaderLimits
-from service.loader.model import LoadedModel, MemoryReport
-from service.loader.pipeline import LoadOptions, Progress, check_loadable, load_plan, staging_nbytes
-from service.loader.placement import MemorySnapshot, PlacementParams, Plan, make_params, plan
+from service.loader.model import LoadedModel
+from service.loader.pipeline import check_loadable, staging_nbytes
+from service.loader.placement import MemorySnapshot, PlacementParams, Plan, plan
 from service.loader.weights import WeightIndex, open_model
-from service.logs import bind_load
+
+__all__ = [
+    "JobManager",
+    "JobState",
+    "Limits",
+    "LoadJob",
+    "LoadSpec",
+    "PlacementFlags",
+    "ResidentModel",
+    "plan_summary",
+    "resolve_model_path",
+]
 
 logger = logging.getLogger(__name__)
-
-
-class JobState(StrEnum):
-    """Lifecycle of a load job: ``queued -> running -> succeeded | failed | cancelled``."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        """True for states that never change again."""
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
-
-
-_NEXT: dict[JobState, frozenset[JobState]] = {
-    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.CANCELLED}),
-    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
-}
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def plan_summary(plan: Plan) -> dict[str, Any]:
-    """What a job shows of its plan; the whole plan is at ``/v1/loads/{id}/plan``."""
-    return {
-        "effective_load_mode": plan.effective_load_mode.value,
-        "n_layer": plan.n_layer,
-        "n_gpu_layers": plan.n_gpu_layers,
-        "devices": list(plan.devices),
-        "fits": plan.fits,
-        "lines": plan.lines(),
-    }
-
-
-@dataclass(eq=False)
-class LoadJob:
-    """One load job.
-
-    Attributes:
-        id: the job id (``lj_...``); a model it loads is registered under the same id.
-        model: the model path as requested, relative to the models directory.
-        path: the resolved file path.
-        params: the placement flags.
-        plan: the placement, as planned when the job was submitted (and loaded); None once
-            the job ended and no model of it is resident (a plan can be large).
-        plan_summary: what the job shows of its plan (kept when the plan is dropped).
-        state: the current :class:`JobState`.
-        bytes_done: tensor bytes in memory so far.
-        bytes_total: tensor bytes the load brings in.
-        cancel_requested: True once a cancel was asked for a running job.
-        error: the failure as ``HoistError.to_dict()`` data, once failed.
-        report: the memory report, once succeeded.
-        version: increases whenever anything but the byte counts changes (views of the
-            job are cached by it).
-    """
-
-    id: str
-    model: str
-    path: str
-    params: PlacementParams
-    plan: Plan | None
-    n_tensors: int
-    bytes_total: int
-    options: LoadOptions = field(default_factory=LoadOptions)
-    warnings: list[str] = field(default_factory=list)
-    stats: dict[str, Any] | None = None
-    state: JobState = JobState.QUEUED
-    bytes_done: int = 0
-    cancel_requested: bool = False
-    error: dict[str, Any] | None = None
-    report: MemoryReport | None = None
-    created_at: datetime = field(default_factory=_now)
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    version: int = 0
-    task: asyncio.Task[None] | None = field(default=None, repr=False)
-    view: Any = field(default=None, repr=False)
-    plan_summary: dict[str, Any] = field(default_factory=dict)
-    memory_summary: dict[str, Any] | None = None
-    load_mode: str = ""
-
-    def __post_init__(self) -> None:
-        if self.plan is not None:
-            self.plan_summary = plan_summary(self.plan)
-            self.load_mode = self.plan.effective_load_mode.value
-
-    def transition(self, new: JobState) -> None:
-        """Move to ``new``. Raises RuntimeError naming the allowed states otherwise."""
-        allowed = _NEXT.get(self.state, frozenset())
-        if new not in allowed:
-            expected = ", ".join(sorted(s.value for s in allowed)) or "nothing (terminal)"
-            raise RuntimeError(f"job {self.id}: expected a move to {expected}, got {new.value}")
-        self.state = new
-        self.version += 1
-        if new is JobState.RUNNING:
-            self.started_at = _now()
-        elif new.terminal:
-            self.finished_at = _now()
-
-    @property
-    def progress(self) -> float:
-        """Fraction of bytes done, 0..1."""
-        return self.bytes_done / self.bytes_total if self.bytes_total else float(self.state.terminal)
-
-
-@dataclass(eq=False)
-class ResidentModel:
-    """A model loaded by a job and held until unloaded.
-
-    Attributes:
-        by_device: bytes it holds per device and buffer type (computed once: a split
-            model mapped has a buffer per split).
-    """
-
-    id: str
-    model: str
-    loaded: LoadedModel
-    loaded_at: datetime = field(default_factory=_now)
-    by_device: dict[str, dict[str, int]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.by_device = self.loaded.report.by_device()
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,16 +80,10 @@ class Limits:
     load_timeout_s: float = 0.0
     descriptors_kept: int = 0
     """File descriptors loads may not use (the connections' share)."""
-
-
-class LoadObserver(Protocol):
-    """What is told of loads as they run (the metrics); called on the event loop."""
-
-    def load_progressed(self, job: LoadJob, nbytes: int) -> None:
-        """``nbytes`` more tensor bytes of ``job`` are in memory."""
-
-    def load_ended(self, job: LoadJob) -> None:
-        """``job``'s task ended (its state is terminal unless the service is stopping)."""
+    keep_alive_s: float = FOREVER
+    """Keep-alive of a load that gives none (seconds; negative: until unloaded)."""
+    evict_idle: bool = False
+    """Unload least-recently-used models to make room for a load that would not fit."""
 
 
 MAX_MODEL_PATH = 4096
@@ -244,8 +124,49 @@ async def resolve_model_path(models_dir: str, model: str) -> str:
     return path
 
 
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A load request planned once, at submit: what its load runs.
+
+    Attributes:
+        index: the parsed model.
+        params: the resolved placement flags.
+        plan: the placement.
+        capacities: each device's memory capacity for hoist when it was planned
+            (:meth:`~service.api.admission.Reservations.capacities`).
+    """
+
+    index: WeightIndex
+    params: PlacementParams
+    plan: Plan
+    capacities: dict[str, tuple[int, int] | None]
+
+
+@dataclass(eq=False)
+class Preload:
+    """A model the service loads as it starts (``HOIST_PRELOAD``).
+
+    Attributes:
+        spec: the load.
+        name: the name it is to be resident under.
+        job_id: its load job, once submitted.
+        error: why it could not be submitted (``code``, ``message``), if so.
+    """
+
+    spec: LoadSpec
+    name: str
+    job_id: str | None = None
+    error: dict[str, Any] | None = None
+
+
+def _memory_summary(resident: ResidentModel) -> dict[str, Any]:
+    report = resident.loaded.report
+    return {"by_device": resident.by_device, "total_bytes": report.total_nbytes, "n_buffers": len(report.buffers)}
+
+
 class JobManager:
-    """Runs load jobs and holds the models they load.
+    """Admits loads, runs them (:class:`~service.api.runner.JobRunner`) and holds the
+    models they load (:class:`~service.api.registry.ModelRegistry`).
 
     Args:
         models_dir: request paths are relative to it.
@@ -257,37 +178,57 @@ class JobManager:
         self.models_dir = models_dir
         self.devices = devices
         self.limits = limits or Limits()
-        self.jobs: dict[str, LoadJob] = {}
-        self.models: dict[str, ResidentModel] = {}
         self.reservations = Reservations(devices, descriptors_kept=self.limits.descriptors_kept)
         self.offloader = Offloader(
             self.limits.request_workers, self.limits.max_waiting_requests, self.limits.request_timeout_s
         )
-        self._slots = asyncio.Semaphore(self.limits.max_concurrent_loads)
-        self._counter = itertools.count(1)
-        self._watcher: asyncio.Task[None] | None = None
-        self.observer: LoadObserver | None = None
+        self.registry = ModelRegistry(self.reservations, models_dir, self._freed, self.limits.file_check_interval_s)
+        self.runner = JobRunner(
+            devices,
+            self.reservations,
+            models_dir,
+            on_loaded=self._loaded,
+            is_resident=lambda job_id: job_id in self.registry.models,
+            on_forget=self.registry.forget_job,
+            max_concurrent_loads=self.limits.max_concurrent_loads,
+            max_queued_loads=self.limits.max_queued_loads,
+            job_history=self.limits.job_history,
+            load_timeout_s=self.limits.load_timeout_s,
+        )
+        self.catalog = Summaries(models_dir, self.limits.header_limits)
+        self.preloads: list[Preload] = []
+        self._admission = asyncio.Lock()
+        self._preloading: asyncio.Task[None] | None = None
 
-    def _new_id(self) -> str:
-        return f"lj_{next(self._counter):04d}{secrets.token_hex(4)}"
+    @property
+    def jobs(self) -> dict[str, LoadJob]:
+        """Load jobs by id, oldest first."""
+        return self.runner.jobs
+
+    @property
+    def models(self) -> dict[str, ResidentModel]:
+        """Resident models by id, oldest first."""
+        return self.registry.models
 
     def start(self) -> None:
         """Start the background check of resident models' mapped files (on the event
         loop that serves the jobs)."""
-        if self._watcher is None and self.limits.file_check_interval_s > 0:
-            self._watcher = asyncio.create_task(self._watch_files(), name="hoist file check")
+        self.registry.start()
 
-    def params(self, flags: dict[str, Any]) -> PlacementParams:
+    # -- planning -----------------------------------------------------------------
+
+    def params(self, flags: PlacementFlags) -> PlacementParams:
         """Placement parameters from request flags (``-ot`` names checked against the
         devices' buffer types). Raises RequestError or PlacementError."""
-        return make_params([d.default_buffer_type.name for d in self.devices], **flags)
+        return flags.params([d.default_buffer_type.name for d in self.devices])
 
     async def plan_model(
-        self, model: str, flags: dict[str, Any], *, watch: Watch | None = None
-    ) -> tuple[WeightIndex, PlacementParams, Plan]:
+        self, model: str, flags: PlacementFlags, *, watch: Watch | None = None, capacities: bool = False
+    ) -> Planned:
         """Parse ``model`` and plan its placement with ``flags`` (a dry run), on the
         request threads, within the request time limit; stops when ``watch`` returns
-        (the client went away).
+        (the client went away). ``capacities``: also read the devices' capacities for
+        admission (empty otherwise).
 
         Raises:
             RequestError, ModelPathError: bad model path or flags.
@@ -300,23 +241,23 @@ class JobManager:
         """
         path = await resolve_model_path(self.models_dir, model)
 
-        def work(token: CancelToken) -> tuple[WeightIndex, PlacementParams, Plan]:
+        def work(token: CancelToken) -> Planned:
             index = open_model(path, root=self.models_dir, cancel=token, limits=self.limits.header_limits)
             params = self.params(flags)
             memory = MemorySnapshot.take(self.devices)
             placement = plan(
                 index, self.devices, params, memory=memory, cancel=token, match_budget_s=self.limits.override_budget_s
             )
-            return index, params, placement
+            return Planned(index, params, placement, self.reservations.capacities() if capacities else {})
 
         return await self.offloader.run(work, what=f"planning '{clip(model, 200)}'", watch=watch)
 
     async def plan_json(
-        self, model: str, flags: dict[str, Any], *, tensors: bool = True, watch: Watch | None = None
+        self, model: str, flags: PlacementFlags, *, tensors: bool = True, watch: Watch | None = None
     ) -> bytes:
         """:meth:`plan_model` and the plan encoded as JSON (:func:`~service.api.encode.plan_json`),
         all on the request threads. Raises as :meth:`plan_model`."""
-        _, _, placement = await self.plan_model(model, flags, watch=watch)
+        placement = (await self.plan_model(model, flags, watch=watch)).plan
         return await self.offloader.run(
             lambda token: plan_json(placement, model, self.models_dir, tensors=tensors, cancel=token),
             what=f"encoding the plan of '{clip(model, 200)}'",
@@ -334,7 +275,8 @@ class JobManager:
         placement = job.plan
         if placement is None:
             raise GoneError(
-                f"the plan of load job '{job_id}' is not kept: the job ended and no model of it is resident",
+                f"the plan of load job '{job_id}' is not kept: the job ended and no model of it is resident"
+                + (" (it shared a resident model: see the plan of the job that loaded it)" if job.shared else ""),
                 hint="POST /v1/plans with the same body plans it again",
             )
         return await self.offloader.run(
@@ -343,242 +285,278 @@ class JobManager:
             watch=watch,
         )
 
-    def _queued(self) -> int:
-        return sum(1 for j in self.jobs.values() if j.state is JobState.QUEUED)
+    async def list_files(self, offset: int, limit: int, *, watch: Watch | None = None) -> dict[str, Any]:
+        """A page of the model files under the models directory with their summaries
+        (:mod:`.catalog`), walked and parsed on the request threads. Raises BusyError,
+        WorkLimitError or RequestAbandonedError as :meth:`plan_model`."""
+        page = await self.offloader.run(
+            lambda token: self.catalog.page(offset, limit, token), what="listing the model files", watch=watch
+        )
+        out: dict[str, Any] = scrub_paths(page, self.models_dir)
+        return out
 
-    def _check_queue(self) -> None:
-        queued = self._queued()
-        if queued >= self.limits.max_queued_loads + self._free_slots():
-            raise BusyError(
-                f"{queued} loads are queued already (at most {self.limits.max_queued_loads}); try again later",
-                retry_after=5,
-            )
+    # -- jobs and models ----------------------------------------------------------
+
+    def get(self, job_id: str) -> LoadJob:
+        """The job ``job_id``. Raises NotFoundError."""
+        return self.runner.get(job_id)
+
+    def cancel(self, job_id: str) -> LoadJob:
+        """Cancel a queued or running job (see :meth:`JobRunner.cancel`)."""
+        return self.runner.cancel(job_id)
+
+    def get_model(self, ref: str) -> ResidentModel:
+        """The resident model whose id, name or load job id is ``ref``. Raises NotFoundError."""
+        return self.registry.find(ref)
+
+    async def unload(self, ref: str) -> tuple[ResidentModel, bool]:
+        """Drop one reference of the model ``ref`` (id, name or load job id); the last one
+        frees it. Returns the model and whether it was freed. Raises NotFoundError."""
+        return await self.registry.release(ref)
+
+    def loading(self, name: str) -> LoadJob | None:
+        """The queued or running job that loads a model under ``name``, if any."""
+        return next((j for j in self.runner.active() if j.name == name), None)
 
     def _check_models(self) -> None:
         """Refuse a load when the resident models and the loads that will add one (queued
         or running) are at ``max_resident_models``: each resident model costs a little
         host memory whatever its size, and every listing and file check walks them."""
-        loading = sum(1 for j in self.jobs.values() if not j.state.terminal)
+        loading = len(self.runner.active())
         held = len(self.models) + loading
         if held >= self.limits.max_resident_models:
             raise ModelLimitError(
                 f"{len(self.models)} models are resident and {loading} loads queued or running "
                 f"(at most {self.limits.max_resident_models} models in all)",
-                hint="unload a model (DELETE /v1/models/{id}) or cancel a load first",
+                hint="unload a model (DELETE /v1/models/{name}) or cancel a load first",
             )
 
-    def _free_slots(self) -> int:
-        running = sum(1 for j in self.jobs.values() if j.state is JobState.RUNNING)
-        return max(self.limits.max_concurrent_loads - running, 0)
+    def _check_name(self, name: str, key: ShareKey, checked: bool) -> None:
+        """Refuse a name held by a resident model this load cannot share, or by a load in
+        progress."""
+        holder = self.registry.by_name.get(name)
+        if holder is not None:
+            why = (
+                "was loaded without check_tensors (a load that checks its data does not share it)"
+                if holder.key == key and checked
+                else f"was loaded from '{holder.model}' with other files or another placement"
+            )
+            raise NameTakenError(
+                f"the name '{name}' is taken: model {holder.id} {why}",
+                hint="give the load another 'name', or unload that model first",
+            )
+        job = self.loading(name)
+        if job is None:
+            return
+        if job.key == key:
+            raise LoadInProgressError(
+                f"model '{name}' is being loaded by job {job.id} ({job.state.value})",
+                hint=f"wait for /v1/loads/{job.id} to succeed and load again to share it, or give another 'name'",
+            )
+        raise NameTakenError(
+            f"the name '{name}' is taken by load job {job.id} of '{job.model}' with other files or another placement",
+            hint="give the load another 'name'",
+        )
 
-    async def submit(
-        self, model: str, flags: dict[str, Any], options: LoadOptions | None = None, *, watch: Watch | None = None
-    ) -> LoadJob:
-        """Validate ``model`` and the placement flags, plan, reserve memory, and start
-        loading in the background.
+    async def submit(self, spec: LoadSpec, *, watch: Watch | None = None) -> LoadJob:
+        """Validate the request, plan it (once: the load runs this plan), and either share
+        a resident model or reserve memory and start loading in the background.
 
         Raises:
             BusyError: the queue of waiting loads is full, or too many requests wait.
             ModelLimitError: as many models are resident or loading as the service holds.
-            RequestError, ModelPathError: bad model path or flags.
+            RequestError, ModelPathError: bad model path, name or flags.
+            NameTakenError: the name is held by another model or load.
+            LoadInProgressError: the same model is being loaded under that name.
             FormatError, SplitError, StorageError: not a valid, readable GGUF model.
             ByteOrderError: a big-endian file.
             PlacementError: the flags give no valid placement.
             BudgetExceededError: the plan does not fit beside the loads and models
-                already admitted.
+                already admitted (after evicting idle models, when that is on).
             WorkLimitError, RequestAbandonedError: as :meth:`plan_model`.
         """
-        options = options or LoadOptions()
-        self._check_queue()
-        self._check_models()
-        index, params, placement = await self.plan_model(model, flags, watch=watch)
-        check_loadable(index)
-        self._check_queue()
-        self._check_models()
+        if spec.name is not None:
+            check_name(spec.name)
+        keep_alive = self.limits.keep_alive_s if spec.keep_alive_s is None else spec.keep_alive_s
+        if (spec.name or spec.model) not in self.registry.by_name:
+            # refused before the planning work when nothing resident could be shared
+            self.runner.check_queue()
+            self._check_models()
+        planned = await self.plan_model(spec.model, spec.flags, watch=watch, capacities=True)
+        check_loadable(planned.index)
+        key = share_key(planned.index, planned.params, planned.plan)
+        async with self._admission:
+            resident = self.registry.shareable(spec.name, key, checked=spec.options.check_tensors)
+            if resident is not None:
+                return self._share(resident, spec, planned, keep_alive)
+            name = spec.name if spec.name is not None else check_name(spec.model, what="default name")
+            self._check_name(name, key, spec.options.check_tensors)
+            self.runner.check_queue()
+            self._check_models()
+            index, placement = planned.index, planned.plan
+            job = LoadJob(
+                id=self.runner.new_id(),
+                model=spec.model,
+                path=index.path,
+                params=planned.params,
+                plan=placement,
+                n_tensors=len(index),
+                bytes_total=sum(t.nbytes for t in placement.tensors),
+                options=spec.options,
+                warnings=list(placement.warnings),
+                name=name,
+                keep_alive_s=keep_alive,
+                key=key,
+            )
+            staging = staging_nbytes(placement, self.devices, spec.options)
+            # the worker holds each file open, twice when it also validates what it reads
+            open_files = len(index.files) * (2 if spec.options.check_tensors else 1)
+            needs = plan_needs(placement, staging, spec.options.staging_buffers if staging else 0, open_files)
+            evicted = await self._admit(job, needs, metadata_nbytes(index), planned.capacities)
+            for resident in evicted:
+                job.note(
+                    f"evicted the idle model '{resident.name}' ({resident.id}, "
+                    f"{resident.loaded.report.total_nbytes} bytes) to make room"
+                )
+            self.runner.start(job, index)
+            return job
+
+    def _share(self, resident: ResidentModel, spec: LoadSpec, planned: Planned, keep_alive: float) -> LoadJob:
+        """A job that ends at once, sharing ``resident`` (one more reference; its
+        keep-alive restarts with this one). Nothing is reserved: the model's memory is."""
         job = LoadJob(
-            id=self._new_id(),
-            model=model,
-            path=index.path,
-            params=params,
-            plan=placement,
-            n_tensors=len(index),
-            bytes_total=sum(t.nbytes for t in placement.tensors),
-            options=options,
-            warnings=list(placement.warnings),
+            id=self.runner.new_id(),
+            model=spec.model,
+            path=planned.index.path,
+            params=planned.params,
+            plan=planned.plan,
+            n_tensors=len(planned.index),
+            bytes_total=0,
+            options=spec.options,
+            name=resident.name,
+            keep_alive_s=keep_alive,
+            shared=True,
+            model_id=resident.id,
         )
-        staging = staging_nbytes(placement, self.devices, options)
-        # the worker holds each file open, twice when it also validates what it reads
-        open_files = len(index.files) * (2 if options.check_tensors else 1)
-        needs = plan_needs(placement, staging, options.staging_buffers if staging else 0, open_files)
-        self.reservations.reserve(job.id, needs, model=model, metadata=metadata_nbytes(index))
-        self.jobs[job.id] = job
-        job.task = asyncio.create_task(self._run(job, index), name=f"load {job.id}")
-        job.task.add_done_callback(lambda _: self._finished(job))
-        self._prune()
+        job.plan = None  # the resident model's own job keeps the plan
+        job.memory_summary = _memory_summary(resident)
+        job.transition(JobState.RUNNING)
+        job.transition(JobState.SUCCEEDED)
+        self.registry.attach(resident, job.id, keep_alive)
+        self.runner.record(job)
+        logger.info("load %s shares %s (%s): %d references", job.id, resident.id, resident.name, resident.references)
         return job
 
-    def _finished(self, job: LoadJob) -> None:
-        # a finished task keeps its frames (and what they referenced) through its result
-        # or exception; the job keeps only what it reports
-        job.task = None
-        if job.id not in self.models:
-            self.reservations.release(job.id)
-            job.plan = None
-        if self.observer is not None:
-            self.observer.load_ended(job)
-
-    def _prune(self) -> None:
-        """Forget the oldest ended jobs beyond ``job_history``."""
-        ended = [j for j in self.jobs.values() if j.state.terminal]
-        for job in ended[: max(0, len(ended) - self.limits.job_history)]:
-            del self.jobs[job.id]
-
-    def get(self, job_id: str) -> LoadJob:
-        """The job ``job_id``. Raises NotFoundError."""
-        job = self.jobs.get(job_id)
-        if job is None:
-            raise NotFoundError(f"no load job '{clip(job_id, 100)}'")
-        return job
-
-    def _fail(self, job: LoadJob, error: dict[str, Any]) -> None:
-        job.error = error
-        job.transition(JobState.FAILED)
-
-    async def _run(self, job: LoadJob, index: WeightIndex) -> None:
-        async with self._slots:
-            if job.state is not JobState.QUEUED:
-                return
-            job.transition(JobState.RUNNING)
-            bind_load(job.id, job.model)  # this task's log records name the job and model
-            assert job.plan is not None
-            for line in job.plan.offload_lines():
-                logger.info("%s", line)  # llama.cpp's offload lines, verbatim
-
-            def on_progress(p: Progress) -> None:
-                if self.observer is not None:
-                    self.observer.load_progressed(job, p.bytes_done - job.bytes_done)
-                job.bytes_done = p.bytes_done
-                job.bytes_total = p.bytes_total
-
-            limit = self.limits.load_timeout_s or None
-            try:
-                async with asyncio.timeout(limit):
-                    loaded = await load_plan(
-                        index, job.plan, self.devices, options=job.options, on_progress=on_progress
-                    )
-            except TimeoutError:
-                message = f"the load took longer than the limit of {limit:g} s and was stopped"
-                self._fail(job, {"code": "work_limit_exceeded", "message": message})
-                logger.warning("load %s of %s: %s", job.id, job.model, message)
-                return
-            except asyncio.CancelledError:
-                job.transition(JobState.CANCELLED)
+    async def _admit(
+        self, job: LoadJob, needs: dict[str, int], metadata: int, capacities: dict[str, tuple[int, int] | None]
+    ) -> list[ResidentModel]:
+        """Reserve ``needs`` for ``job``; when it does not fit and eviction is on, unload
+        the fewest least-recently-used resident models that make it fit first. Returns
+        those unloaded. Raises BudgetExceededError (nothing unloaded then)."""
+        try:
+            self.reservations.reserve(job.id, needs, model=job.model, metadata=metadata, capacities=capacities)
+            return []
+        except BudgetExceededError:
+            if not self.limits.evict_idle or not self.registry.models:
                 raise
-            except HoistError as exc:
-                self._fail(job, public_error(exc, self.models_dir))
-                logger.warning("load %s of %s failed: %s", job.id, job.model, exc)
-                return
-            except MemoryError:
-                self._fail(job, {"code": "out_of_memory", "message": "the host ran out of memory during the load"})
-                logger.error("load %s of %s ran out of host memory", job.id, job.model)
-                return
-            except Exception as exc:
-                self._fail(job, {"code": "internal_error", "message": f"internal error ({type(exc).__name__})"})
-                logger.exception("load %s of %s failed unexpectedly", job.id, job.model)
-                return
-            resident = self.models[job.id] = ResidentModel(job.id, job.model, loaded)
-            # the staging buffers are gone: the model keeps what its buffers hold
-            self.reservations.replace(job.id, plan_needs(loaded.plan))
-            job.report = loaded.report
-            job.memory_summary = {
-                "by_device": resident.by_device,
-                "total_bytes": loaded.report.total_nbytes,
-                "n_buffers": len(loaded.report.buffers),
-            }
-            job.warnings = list(loaded.warnings)
-            for warning in loaded.warnings:
-                if warning not in loaded.plan.warnings:  # those were answered with the plan
-                    logger.warning("load %s of %s: %s", job.id, job.model, warning)
-            job.stats = loaded.stats.to_dict()
-            job.transition(JobState.SUCCEEDED)
-            for line in loaded.report.lines():
-                logger.info("%s", line)  # llama.cpp's buffer lines, verbatim
-            logger.info("loaded %s as %s (%d bytes)", job.model, job.id, loaded.report.total_nbytes)
+            total = dict(needs)
+            total["CPU"] = total.get("CPU", 0) + metadata
+            caps = dict(capacities)
+            if caps.get("CPU") is not None:
+                capacity, free = caps["CPU"]  # type: ignore[misc]
+                caps["CPU"] = (capacity + metadata, free)
 
-    def cancel(self, job_id: str) -> LoadJob:
-        """Cancel a queued or running job; it ends ``cancelled`` once its load has released
-        everything. Raises NotFoundError, or ConflictError for a finished job."""
-        job = self.get(job_id)
-        if job.state.terminal:
-            raise ConflictError(f"load job '{job_id}' already ended as {job.state.value}")
-        if job.state is JobState.QUEUED:
-            job.transition(JobState.CANCELLED)
-            self.reservations.release(job.id)
-            job.plan = None
-        job.cancel_requested = True
+            def fits(unloaded: set[str]) -> bool:
+                return not self.reservations.shortfalls(job.id, total, capacities=caps, excluding=unloaded)
+
+            victims = self.registry.victims(fits)
+            if victims is None:
+                raise
+        for resident in victims:
+            logger.info(
+                "evicting %s (%s) to make room for load %s of %s", resident.name, resident.id, job.id, job.model
+            )
+            await self.registry.remove(resident, f"evicted (least recently used) to make room for load {job.id}")
+        self.reservations.reserve(job.id, needs, model=job.model, metadata=metadata, capacities=capacities)
+        return victims
+
+    def _loaded(self, job: LoadJob, loaded: LoadedModel) -> None:
+        resident = ResidentModel(
+            job.id,
+            job.name,
+            job.model,
+            loaded,
+            key=job.key,
+            checked=job.options.check_tensors,
+            keep_alive_s=job.keep_alive_s,
+        )
+        # the staging buffers are gone: the model keeps what its buffers hold
+        self.reservations.replace(job.id, plan_needs(loaded.plan))
+        job.memory_summary = _memory_summary(resident)
+        self.registry.add(resident)
+
+    def _freed(self, resident: ResidentModel, reason: str) -> None:
+        job = self.runner.jobs.get(resident.id)
+        if job is None:
+            return
+        # an ended job keeps summaries: its plan and report can be large
+        job.plan = None
+        job.report = None
         job.version += 1
-        if job.task is not None:
-            job.task.cancel()
-        return job
+        if reason != "unloaded":
+            job.note(f"unloaded: {reason}")
 
-    def get_model(self, model_id: str) -> ResidentModel:
-        """The loaded model ``model_id``. Raises NotFoundError."""
-        resident = self.models.get(model_id)
-        if resident is None:
-            raise NotFoundError(f"no loaded model '{clip(model_id, 100)}'")
-        return resident
+    # -- preloading and readiness -------------------------------------------------
 
-    def unload(self, model_id: str) -> ResidentModel:
-        """Release the model ``model_id``. Raises NotFoundError."""
-        resident = self.get_model(model_id)
-        del self.models[model_id]
-        self.reservations.release(model_id)
-        resident.loaded.close()
-        job = self.jobs.get(model_id)
-        if job is not None:
-            # an ended job keeps summaries: its plan and report can be large
-            job.plan = None
-            job.report = None
-            job.version += 1
-        return resident
+    def preload(self, specs: Sequence[LoadSpec]) -> None:
+        """Load ``specs`` one after another in the background (the service answers
+        meanwhile), each submitted once the one before ended; :meth:`readiness` tells
+        when their models are resident."""
+        self.preloads = [Preload(spec, spec.name or spec.model) for spec in specs]
+        if self.preloads:
+            self._preloading = asyncio.create_task(self._preload(), name="hoist preload")
 
-    def check_files(self) -> list[str]:
-        """Unload every resident model whose mapped files changed (shrank or were
-        rewritten) since they were mapped; returns their ids. Nothing in the service
-        reads a model's pages afterwards, so a shrunk file cannot raise SIGBUS here."""
-        gone = []
-        for model_id, resident in list(self.models.items()):
-            changed = resident.loaded.changed_files()
-            if not changed:
-                continue
-            how = "; ".join(f"{os.path.relpath(path, self.models_dir)}: {what}" for path, what in changed)
-            logger.warning("unloading %s (%s): its file changed while mapped (%s)", model_id, resident.model, how)
-            self.unload(model_id)
-            job = self.jobs.get(model_id)
-            if job is not None:
-                job.warnings.append(f"unloaded: the model file changed while mapped ({how})")
-                job.version += 1
-            gone.append(model_id)
-        return gone
-
-    async def _watch_files(self) -> None:
-        while True:
-            await asyncio.sleep(self.limits.file_check_interval_s)
+    async def _preload(self) -> None:
+        for item in self.preloads:
             try:
-                self.check_files()
-            except Exception:  # a check must never stop the checking
-                logger.exception("checking the files of resident models failed")
+                job = await self.submit(item.spec)
+            except HoistError as exc:
+                item.error = public_error(exc, self.models_dir)
+                logger.error("preloading %s failed: %s", item.spec.model, item.error["message"])
+                continue
+            item.job_id = job.id
+            # one at a time: the next is admitted beside this one's model, not its load
+            if job.task is not None:
+                await asyncio.gather(job.task, return_exceptions=True)
+
+    def readiness(self) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
+        """(names resident, names pending with their job, names failed with the error)
+        of the preloaded models. A preloaded model unloaded since is pending again
+        (without a job)."""
+        ready: list[str] = []
+        pending: list[dict[str, Any]] = []
+        failed: list[dict[str, Any]] = []
+        for item in self.preloads:
+            if item.name in self.registry.by_name:
+                ready.append(item.name)
+                continue
+            job = self.runner.jobs.get(item.job_id) if item.job_id else None
+            if item.error is not None:
+                failed.append({"name": item.name, "model": item.spec.model, "error": item.error})
+            elif job is not None and job.state in (JobState.FAILED, JobState.CANCELLED):
+                error = job.error or {"code": "load_cancelled", "message": "the load was cancelled"}
+                failed.append({"name": item.name, "model": item.spec.model, "job_id": job.id, "error": error})
+            else:
+                state = job.state.value if job is not None and not job.state.terminal else None
+                pending.append({"name": item.name, "model": item.spec.model, "job_id": item.job_id, "state": state})
+        return ready, pending, failed
 
     async def close(self) -> None:
-        """Stop request work, cancel every job, wait for them, and release every model."""
+        """Stop request work, cancel every job and the preloading, wait for them, and
+        release every model."""
         self.offloader.close()
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
-        tasks = [job.task for job in self.jobs.values() if job.task is not None and not job.task.done()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for model_id in list(self.models):
-            self.unload(model_id)
+        if self._preloading is not None:
+            self._preloading.cancel()
+            await asyncio.gather(self._preloading, return_exceptions=True)
+        await self.runner.close()
+        await self.registry.close()

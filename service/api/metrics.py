@@ -4,7 +4,7 @@ the app's own.
 Three sources:
 
 - :class:`LoadMetrics`, counters and a histogram the job manager updates as loads run
-  (it is the manager's :class:`~service.api.jobs.LoadObserver`);
+  (it is the runner's :class:`~service.api.runner.LoadObserver`);
 - :class:`StateCollector`, gauges read at scrape time: loads running and queued,
   resident models, the bytes each resident model holds per device and buffer type, each
   device's free and total memory;
@@ -156,7 +156,7 @@ class ServiceState:
             elif job.state is JobState.QUEUED:
                 queued += 1
         # a resident model's bytes per device were computed once, and never change
-        resident = tuple((r.model, r.by_device) for r in jobs.models.values())
+        resident = tuple((r.name, r.by_device) for r in jobs.models.values())
         return cls(running, queued, resident)
 
 
@@ -243,7 +243,7 @@ class Metrics:
 
     Attributes:
         registry: the counters and histograms (and the ``process_*`` metrics).
-        loads: the job manager's observer.
+        loads: the job runner's observer.
     """
 
     def __init__(self, timeout_s: float = SCRAPE_TIMEOUT_S) -> None:

@@ -8,7 +8,10 @@ from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
+from service.api.keepalive import parse_keep_alive
+from service.api.spec import MAX_NAME, LoadSpec, PlacementFlags, check_name
 from service.errors import RequestError
+from service.loader.pipeline import LoadOptions
 from service.loader.placement.overrides import MAX_OVERRIDES
 from service.loader.placement.params import (
     INT32_MAX,
@@ -95,9 +98,9 @@ class PlanRequest(BaseModel):
             raise ValueError(n_gpu_layers_error(value))
         return value
 
-    def flags(self) -> dict[str, Any]:
-        """The placement flags as keyword arguments of ``make_params``."""
-        return self.model_dump(include=set(PlanRequest.model_fields) - {"model"})
+    def flags(self) -> PlacementFlags:
+        """The placement flags."""
+        return PlacementFlags.of(**self.model_dump(include=set(PlanRequest.model_fields) - {"model"}))
 
 
 class LoadRequest(PlanRequest):
@@ -113,6 +116,54 @@ class LoadRequest(PlanRequest):
         le=1 << 30,
         description="Bytes per staging buffer (default 1 MiB, or 64 MiB with direct-io); at most 1 GiB.",
     )
+    name: str | None = Field(
+        default=None,
+        max_length=MAX_NAME,
+        description="The name to host the model under (default: the model path). ASCII letters, digits and "
+        "'. _ : @ + / -'. A load under the name of a resident model with the same files and resolved placement "
+        "shares it; with other files or another placement it is 409 (name_taken).",
+    )
+    keep_alive: Annotated[
+        float | str | None,
+        WithJsonSchema({"oneOf": [{"type": "number"}, {"type": "string", "maxLength": 64}], "default": None}),
+    ] = Field(
+        default=None,
+        description="How long the model stays resident after this load, as Ollama's keep_alive: seconds, or a "
+        "duration such as '5m' or '1h30m'; 0 unloads it once loaded, a negative value keeps it until unloaded. "
+        "Default HOIST_KEEP_ALIVE.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return check_name(value)
+        except RequestError as exc:
+            raise ValueError(exc.message) from None
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _keep_alive(cls, value: object) -> float | None:
+        if value is None:
+            return None
+        try:
+            return parse_keep_alive(value)
+        except RequestError as exc:
+            raise ValueError(exc.message) from None
+
+    def spec(self) -> LoadSpec:
+        """The load as the job manager takes it.
+
+        Raises:
+            RequestError: invalid load options.
+        """
+        options = LoadOptions(
+            staging_buffers=self.staging_buffers, staging_nbytes=self.staging_size, check_tensors=self.check_tensors
+        )
+        keep_alive = None if self.keep_alive is None else float(self.keep_alive)
+        return LoadSpec(self.model, self.name, self.flags(), options, keep_alive)
 
 
 class BufferOut(BaseModel):
@@ -165,8 +216,12 @@ class LoadJobListed(BaseModel):
         default=None, description="Once succeeded (kept once the model is unloaded)."
     )
     model_id: str | None = Field(
-        default=None, description="The loaded model's id, once succeeded (kept once the model is unloaded)."
+        default=None,
+        description="The id of the model it loaded or shared, once succeeded (kept once the model is unloaded).",
     )
+    name: str = Field(description="The name the model is hosted under.")
+    shared: bool = Field(description="True when the load shared a resident model instead of loading a copy.")
+    keep_alive: float = Field(description="Seconds the model stays after this load (negative: until unloaded).")
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -188,6 +243,7 @@ class LoadJobList(BaseModel):
 
 class DeviceModelUse(BaseModel):
     model_id: str
+    name: str
     model: str
     buffer_types: dict[str, int] = Field(description="Bytes this model holds here, per buffer type.")
     total_bytes: int
@@ -218,9 +274,17 @@ class DeviceList(BaseModel):
 class ModelListed(BaseModel):
     """A resident model as ``GET /v1/models`` lists it: without its memory report."""
 
-    id: str
+    id: str = Field(description="The id of the load job that loaded it.")
     object: Literal["model"] = "model"
-    model: str
+    name: str
+    model: str = Field(description="The model path, relative to the models directory.")
+    state: Literal["resident", "unloaded"] = Field(
+        description="'unloaded' only in the answer to the DELETE that freed it."
+    )
+    references: int = Field(description="Loads holding it; each DELETE drops one, the last frees it.")
+    keep_alive: float = Field(description="Seconds it stays after its last load (negative: until unloaded).")
+    expires_at: datetime | None = Field(description="When its keep-alive runs out (null: never).")
+    last_used_at: datetime = Field(description="When a load last referenced it (eviction takes the oldest first).")
     load_mode: str
     n_tensors: int
     loaded_at: datetime
@@ -272,7 +336,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         429: "Too many loads queued or requests waiting (see Retry-After).",
         431: "The request line and headers are too large.",
         500: "Internal error.",
-        503: "Too many connections are open (see Retry-After).",
+        503: "Too many connections are open (see Retry-After), or not ready.",
         507: "The server ran out of memory.",
     }
     return {
@@ -286,3 +350,43 @@ COMMON_PROBLEMS = problem_responses(401, 408, 413, 431, 500, 503, 507)
 
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
+
+
+class Ready(BaseModel):
+    """``/readyz``: every preloaded model is resident."""
+
+    status: Literal["ready"] = "ready"
+    models: list[str] = Field(description="The preloaded models' names.")
+
+
+class ModelReady(BaseModel):
+    """``/v1/models/{name}/ready``."""
+
+    name: str
+    id: str
+    ready: Literal[True] = True
+
+
+class FileError(BaseModel):
+    code: str
+    message: str
+
+
+class FileListed(BaseModel):
+    """A GGUF file of the models directory (a split model once, by its first split)."""
+
+    path: str = Field(description="Relative to the models directory: what a load's 'model' takes.")
+    architecture: str | None = Field(description="general.architecture")
+    file_type: int | None = Field(description="general.file_type")
+    file_type_name: str | None = Field(description="Its name, as llama.cpp prints it (guessed when absent).")
+    size_bytes: int | None = Field(description="File bytes, all splits together.")
+    n_params: int | None = Field(description="Elements of all tensors.")
+    n_tensors: int | None
+    n_splits: int | None
+    error: FileError | None = Field(description="Why the file could not be read as a model (then the rest is null).")
+
+
+class FileList(BaseModel):
+    data: list[FileListed]
+    total: int = Field(description="Files in all (listed or not).")
+    truncated: bool = Field(description="The walk of the directory stopped at its depth or entry limit.")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.logs import LogFormat
+
+if TYPE_CHECKING:
+    from service.api.spec import LoadSpec
 
 MAX_TOKEN_FILE_BYTES = 4096
 """Largest API token file read."""
@@ -45,7 +49,8 @@ class Settings(BaseSettings):
     """Ended load jobs kept for listing (``HOIST_JOB_HISTORY``)."""
 
     api_token: SecretStr | None = Field(default=None)
-    """Bearer token every request but ``/healthz`` must carry (``HOIST_API_TOKEN``)."""
+    """Bearer token every request but ``/healthz`` and ``/readyz`` must carry
+    (``HOIST_API_TOKEN``)."""
 
     api_token_file: Path | None = Field(default=None)
     """File holding the bearer token, e.g. a container secret (``HOIST_API_TOKEN_FILE``);
@@ -121,6 +126,48 @@ class Settings(BaseSettings):
     ``text`` lines or ``json`` lines (one object a record, with ``job_id`` and ``model``
     on a load's records) (``HOIST_LOG_FORMAT``)."""
 
+    keep_alive: str = Field(default="-1", max_length=64)
+    """How long a model stays resident after the last load that referenced it, when the
+    load gives no ``keep_alive``: seconds, or a duration such as ``5m`` or ``1h30m``; 0
+    unloads it once loaded, a negative value keeps it until unloaded. Forever by default:
+    hoist serves no inference requests that would keep a model in use
+    (``HOIST_KEEP_ALIVE``)."""
+
+    evict_idle: bool = Field(default=False)
+    """Unload resident models, least recently used first, when a new load would not fit
+    beside them (instead of answering 409); the load's warnings name them
+    (``HOIST_EVICT_IDLE``)."""
+
+    preload: str | None = Field(default=None, max_length=1 << 20)
+    """Models to load at start, as model paths relative to the models directory separated
+    by commas, or a JSON list of load bodies (``[{"model": "x.gguf", "name": "x",
+    "n_gpu_layers": 99}]``); ``/readyz`` answers 200 once all are resident
+    (``HOIST_PRELOAD``)."""
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _keep_alive_parse(cls, value: str) -> str:
+        from service.api.keepalive import parse_keep_alive
+        from service.errors import HoistError
+
+        try:
+            parse_keep_alive(value)
+        except HoistError as exc:
+            raise ValueError(exc.message) from None
+        return value
+
+    @field_validator("preload")
+    @classmethod
+    def _preload_parse(cls, value: str | None) -> str | None:
+        preload_specs(value)
+        return value
+
+    def keep_alive_s(self) -> float:
+        """:attr:`keep_alive` in seconds (negative: forever)."""
+        from service.api.keepalive import parse_keep_alive
+
+        return parse_keep_alive(self.keep_alive)
+
     @field_validator("emulated_devices")
     @classmethod
     def _emulated_devices_parse(cls, value: str | None) -> str | None:
@@ -170,6 +217,38 @@ class Settings(BaseSettings):
         if not token or any(c.isspace() or not c.isprintable() or not c.isascii() for c in token):
             raise ValueError("the API token must be non-empty printable ASCII without white space")
         return token
+
+
+def preload_specs(value: str | None) -> list[LoadSpec]:
+    """The loads ``HOIST_PRELOAD`` asks for: a JSON list of load bodies (``[`` first), or
+    model paths separated by commas.
+
+    Raises:
+        ValueError: not valid JSON, a body the load schema refuses, or an empty path.
+    """
+    import json
+
+    from pydantic import TypeAdapter, ValidationError
+
+    from service.api.schemas import LoadRequest
+
+    if value is None or not value.strip():
+        return []
+    text = value.strip()
+    try:
+        if text.startswith("["):
+            requests = TypeAdapter(list[LoadRequest]).validate_python(json.loads(text))
+        else:
+            paths = [p.strip() for p in text.split(",")]
+            if not all(paths):
+                raise ValueError("HOIST_PRELOAD has an empty model path (between commas)")
+            requests = [LoadRequest(model=p) for p in paths]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"HOIST_PRELOAD is not valid JSON: {exc}") from None
+    except ValidationError as exc:
+        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+        raise ValueError(f"HOIST_PRELOAD: {errors}") from None
+    return [r.spec() for r in requests]
 
 
 def markdown_table() -> list[str]:

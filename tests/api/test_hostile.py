@@ -373,9 +373,10 @@ def test_queued_loads_are_bounded(hoist_serve: Any, models_dir: Path) -> None:
     server: ServeProcess = hoist_serve(HOIST_EMULATED_DEVICES="EMU0=1GiB:bandwidth=1MiB", HOIST_MAX_QUEUED_LOADS="2")
     body = {"model": "m.gguf", "load_mode": "none", "n_gpu_layers": 99}
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        accepted = [client.post("/v1/loads", json=body) for _ in range(3)]  # one runs, two wait
+        # each under its own name: a load of a model being loaded under the same name is refused
+        accepted = [client.post("/v1/loads", json={**body, "name": f"q{i}"}) for i in range(3)]  # one runs, two wait
         assert [r.status_code for r in accepted] == [202, 202, 202]
-        refused = client.post("/v1/loads", json=body)
+        refused = client.post("/v1/loads", json={**body, "name": "q3"})
         is_problem(refused, 429, "busy")
         assert int(refused.headers["retry-after"]) > 0
         states = [client.get(r.headers["location"]).json()["state"] for r in accepted]
@@ -385,7 +386,7 @@ def test_queued_loads_are_bounded(hoist_serve: Any, models_dir: Path) -> None:
         for r in accepted:
             assert wait_for(client, r.headers["location"], ENDED)["state"] == "cancelled"
         # the queue is free again
-        again = client.post("/v1/loads", json=body)
+        again = client.post("/v1/loads", json={**body, "name": "q4"})
         assert again.status_code == 202
         client.post(f"{again.headers['location']}/cancel")
 
@@ -395,19 +396,19 @@ def test_memory_is_reserved_at_submit(hoist_serve: Any, models_dir: Path) -> Non
     server: ServeProcess = hoist_serve(HOIST_EMULATED_DEVICES="EMU0=64MiB:bandwidth=8MiB")
     body = {"model": "m.gguf", "load_mode": "none", "n_gpu_layers": 99}
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        first = client.post("/v1/loads", json=body)
-        second = client.post("/v1/loads", json=body)
+        first = client.post("/v1/loads", json={**body, "name": "first"})
+        second = client.post("/v1/loads", json={**body, "name": "second"})
         assert first.status_code == second.status_code == 202
         # the first is running and the second queued: neither holds EMU0 memory yet or
         # in full, but both are counted
-        third = is_problem(client.post("/v1/loads", json=body), 409, "insufficient_device_memory")
+        third = is_problem(client.post("/v1/loads", json={**body, "name": "third"}), 409, "insufficient_device_memory")
         assert "EMU0 needs" in third["detail"] and "reserved by 2 loads" in third["detail"], third
         emu = next(d for d in client.get("/v1/devices").json()["data"] if d["name"] == "EMU0")
         assert emu["reserved_bytes"] >= 48 * MiB
         client.post(f"{second.headers['location']}/cancel")
         assert wait_for(client, second.headers["location"], ENDED)["state"] == "cancelled"
         # the cancelled load's reservation is released: a new one fits again
-        fourth = client.post("/v1/loads", json=body)
+        fourth = client.post("/v1/loads", json={**body, "name": "fourth"})
         assert fourth.status_code == 202, fourth.text
         for r in (first, fourth):
             client.post(f"{r.headers['location']}/cancel")
@@ -430,11 +431,15 @@ def test_resident_models_count_against_new_loads(hoist_serve: Any, models_dir: P
     server: ServeProcess = hoist_serve(HOIST_EMULATED_DEVICES="EMU0=64MiB")
     body = {"model": "m.gguf", "load_mode": "mmap", "n_gpu_layers": 99}
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        done = [wait_for(client, client.post("/v1/loads", json=body).headers["location"], ENDED) for _ in range(2)]
+        # two copies, by two names (one name would share one copy)
+        done = [
+            wait_for(client, client.post("/v1/loads", json={**body, "name": n}).headers["location"], ENDED)
+            for n in ("a", "b")
+        ]
         assert [d["state"] for d in done] == ["succeeded", "succeeded"]
-        is_problem(client.post("/v1/loads", json=body), 409, "insufficient_device_memory")
+        is_problem(client.post("/v1/loads", json={**body, "name": "c"}), 409, "insufficient_device_memory")
         assert client.delete(f"/v1/models/{done[0]['model_id']}").status_code == 200
-        third = wait_for(client, client.post("/v1/loads", json=body).headers["location"], ENDED)
+        third = wait_for(client, client.post("/v1/loads", json={**body, "name": "c"}).headers["location"], ENDED)
         assert third["state"] == "succeeded"
 
 
@@ -468,7 +473,7 @@ def test_no_response_reveals_a_server_path(
     bodies: list[str] = []
     with httpx.Client(base_url=server.url, timeout=30) as client:
         for mode in ("mmap", "none", "direct-io", "mlock", "mmap+mlock"):
-            resp = client.post("/v1/loads", json={"model": name, "load_mode": mode, "n_gpu_layers": 1})
+            resp = client.post("/v1/loads", json={"model": name, "load_mode": mode, "n_gpu_layers": 1, "name": mode})
             bodies.append(resp.text)
             job = wait_for(client, resp.headers["location"], ENDED)
             bodies += [client.get(resp.headers["location"]).text, client.get(f"{resp.headers['location']}/plan").text]

@@ -7,12 +7,13 @@ import gc
 import threading
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 
-from service.api.jobs import JobManager, JobState, Limits, LoadJob
+from service.api.jobs import JobManager, JobState, Limits, LoadJob, LoadSpec
 from service.loader.devices import CPUDevice
 from service.loader.pipeline.worker import Worker
 from service.loader.placement import MemorySnapshot, PlacementParams, plan
@@ -54,7 +55,7 @@ async def test_a_cancelled_load_frees_its_memory(tmp_path: Path, monkeypatch: py
     jobs = JobManager(str(models), [CPUDevice()])
     tracemalloc.start()
     try:
-        job = await jobs.submit("big.gguf", {"load_mode": "none"})
+        job = await jobs.submit(LoadSpec.of("big.gguf", load_mode="none"))
         while not inside.is_set():
             await asyncio.sleep(0.01)
         held = tracemalloc.get_traced_memory()[0]
@@ -84,10 +85,10 @@ async def test_job_history_is_bounded(tmp_path: Path) -> None:
     jobs = JobManager(str(models), [CPUDevice()], Limits(job_history=3))
     try:
         for _ in range(6):
-            job = await jobs.submit("m.gguf", {"load_mode": "mmap"})
+            job = await jobs.submit(LoadSpec.of("m.gguf", load_mode="mmap"))
             while not job.state.terminal:
                 await asyncio.sleep(0.01)
-            jobs.unload(job.id)
+            await jobs.unload(job.id)
         # the newest submission is kept even while the older ended ones are pruned
         assert len(jobs.jobs) <= 4
         assert job.id in jobs.jobs
@@ -120,7 +121,7 @@ async def test_a_failed_load_frees_its_memory_without_a_garbage_collection(
     gc.disable()
     tracemalloc.start()
     try:
-        job = await jobs.submit(path.name, {"load_mode": "none"})
+        job = await jobs.submit(LoadSpec.of(path.name, load_mode="none"))
         while not job.state.terminal:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0)
@@ -144,18 +145,18 @@ async def test_loads_beyond_the_mapping_limit_are_refused_at_submit(tmp_path: Pa
     # room for the mappings of two mapped files
     jobs.reservations.mapping_capacity = 2 * MAPPINGS_PER_FILE
     try:
-        first = await jobs.submit("m.gguf", {"load_mode": "mmap"})
-        second = await jobs.submit("m.gguf", {"load_mode": "mmap"})
+        first = await jobs.submit(LoadSpec.of("m.gguf", name="a", load_mode="mmap"))
+        second = await jobs.submit(LoadSpec.of("m.gguf", name="b", load_mode="mmap"))
         with pytest.raises(BudgetExceededError, match="memory mappings.*vm.max_map_count"):
-            await jobs.submit("m.gguf", {"load_mode": "mmap"})
+            await jobs.submit(LoadSpec.of("m.gguf", name="c", load_mode="mmap"))
         while not (first.state.terminal and second.state.terminal):
             await asyncio.sleep(0.01)
         assert first.state is JobState.SUCCEEDED and second.state is JobState.SUCCEEDED
         # a resident model keeps its mapping reserved; unloading one makes room again
         with pytest.raises(BudgetExceededError):
-            await jobs.submit("m.gguf", {"load_mode": "mmap"})
-        jobs.unload(first.id)
-        third = await jobs.submit("m.gguf", {"load_mode": "mmap"})
+            await jobs.submit(LoadSpec.of("m.gguf", name="c", load_mode="mmap"))
+        await jobs.unload(first.id)
+        third = await jobs.submit(LoadSpec.of("m.gguf", name="c", load_mode="mmap"))
         while not third.state.terminal:
             await asyncio.sleep(0.01)
         assert third.state is JobState.SUCCEEDED
@@ -166,28 +167,30 @@ async def test_loads_beyond_the_mapping_limit_are_refused_at_submit(tmp_path: Pa
 async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from service.api import runner
     from service.api.admission import DESCRIPTORS
     from service.errors import BudgetExceededError
     from service.loader.pipeline.options import LoadOptions
 
-    release = threading.Event()
-    work = Worker._work
-
-    def held(self: Worker) -> None:
-        release.wait(30)  # the first load holds its reservation until the others are submitted
-        work(self)
-
-    monkeypatch.setattr(Worker, "_work", held)
     models = _models_with_m(tmp_path)
     jobs = JobManager(str(models), [CPUDevice()], Limits())
     jobs.reservations.descriptor_capacity = 3
+    go = asyncio.Event()
+    real = runner.load_plan
+
+    async def held(*args: Any, **kwargs: Any) -> Any:  # the first load runs until told
+        await go.wait()
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "load_plan", held)
     try:
-        first = await jobs.submit("m.gguf", {"load_mode": "none"}, options=LoadOptions(check_tensors=True))
+        checked = LoadOptions(check_tensors=True)
+        first = await jobs.submit(LoadSpec.of("m.gguf", name="a", options=checked, load_mode="none"))
         assert jobs.reservations.owners[first.id][DESCRIPTORS] == 2  # the file, and again to validate it
         with pytest.raises(BudgetExceededError, match="file descriptors.*RLIMIT_NOFILE"):
-            await jobs.submit("m.gguf", {"load_mode": "none"}, options=LoadOptions(check_tensors=True))
-        second = await jobs.submit("m.gguf", {"load_mode": "none"})
-        release.set()
+            await jobs.submit(LoadSpec.of("m.gguf", name="b", options=checked, load_mode="none"))
+        second = await jobs.submit(LoadSpec.of("m.gguf", name="b", load_mode="none"))
+        go.set()
         while not (first.state.terminal and second.state.terminal):
             await asyncio.sleep(0.01)
         assert first.state is JobState.SUCCEEDED and second.state is JobState.SUCCEEDED

@@ -137,7 +137,7 @@ def test_splits_are_bounded_in_number_and_in_bytes_read(live_server: str, models
 
 
 def test_a_symbolic_link_swapped_after_the_check_cannot_lead_outside(tmp_path: Path, models_dir: Path) -> None:
-    from service.api.jobs import JobManager
+    from service.api.jobs import JobManager, PlacementFlags
     from service.loader.devices import CPUDevice
     from service.loader.weights import open_model
 
@@ -161,7 +161,7 @@ def test_a_symbolic_link_swapped_after_the_check_cannot_lead_outside(tmp_path: P
             real, jobs_module.resolve_model_path = jobs_module.resolve_model_path, resolved
             try:
                 with pytest.raises(RequestError, match="outside the models directory"):
-                    await jobs.plan_model("link.gguf", {})
+                    await jobs.plan_model("link.gguf", PlacementFlags())
             finally:
                 jobs_module.resolve_model_path = real
         finally:
@@ -202,8 +202,8 @@ def test_listings_are_paged_and_compact(live_server: str, models_dir: Path) -> N
     _many_tensors(models_dir / "m.gguf", 20)
     with httpx.Client(base_url=live_server, timeout=60) as client:
         ids = []
-        for _ in range(3):
-            resp = client.post("/v1/loads", json={"model": "m.gguf", "load_mode": "mmap"})
+        for i in range(3):  # three copies, by three names
+            resp = client.post("/v1/loads", json={"model": "m.gguf", "load_mode": "mmap", "name": f"m{i}"})
             assert resp.status_code == 202, resp.text
             ids.append(wait_for(client, resp.headers["location"], ENDED)["id"])
         page = client.get("/v1/loads", params={"limit": 2, "offset": 1}).json()

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from gguf import GGUFValueType as V
 
-from service.api.jobs import JobManager, JobState, Limits
+from service.api.jobs import JobManager, JobState, Limits, LoadSpec
 from service.api.settings import Settings
 from service.errors import ModelLimitError
 from service.loader.devices import CPUDevice
@@ -40,25 +40,28 @@ def limited_server(models_dir: Path) -> Iterator[str]:
 def test_models_beyond_the_limit_are_refused_until_one_is_unloaded(limited_server: str) -> None:
     with httpx.Client(base_url=limited_server, timeout=60) as client:
         locations = []
-        for _ in range(LIMIT):
-            resp = client.post("/v1/loads", json={"model": "empty.gguf"})
+        for i in range(LIMIT):
+            resp = client.post("/v1/loads", json={"model": "empty.gguf", "name": f"m{i}"})
             assert resp.status_code == 202, resp.text
             locations.append(resp.headers["location"])
         # queued and running loads count: the limit holds before any of them ended
-        body = is_problem(client.post("/v1/loads", json={"model": "empty.gguf"}), 409, "model_limit")
+        body = is_problem(client.post("/v1/loads", json={"model": "empty.gguf", "name": "x"}), 409, "model_limit")
         assert f"at most {LIMIT} models" in body["detail"] and "unload" in body["hint"]
         jobs = [wait_for(client, location, ENDED) for location in locations]
         assert [j["state"] for j in jobs] == ["succeeded"] * LIMIT
-        is_problem(client.post("/v1/loads", json={"model": "empty.gguf"}), 409, "model_limit")
+        is_problem(client.post("/v1/loads", json={"model": "empty.gguf", "name": "x"}), 409, "model_limit")
+        # a load that shares a resident model adds none: not refused
+        shared = client.post("/v1/loads", json={"model": "empty.gguf", "name": "m1"})
+        assert shared.status_code == 202 and shared.json()["shared"] is True, shared.text
         # a dry run allocates nothing and is not counted
         assert client.post("/v1/plans", json={"model": "empty.gguf"}).status_code == 200
 
         model_id = jobs[0]["model_id"]
         assert client.delete(f"/v1/models/{model_id}").status_code == 200
-        resp = client.post("/v1/loads", json={"model": "empty.gguf"})
+        resp = client.post("/v1/loads", json={"model": "empty.gguf", "name": "x"})
         assert resp.status_code == 202, resp.text
         assert wait_for(client, resp.headers["location"], ENDED)["state"] == "succeeded"
-        is_problem(client.post("/v1/loads", json={"model": "empty.gguf"}), 409, "model_limit")
+        is_problem(client.post("/v1/loads", json={"model": "empty.gguf", "name": "y"}), 409, "model_limit")
 
 
 def test_an_unloaded_models_job_keeps_its_summary(limited_server: str) -> None:
@@ -78,8 +81,8 @@ def test_an_unloaded_models_job_keeps_its_summary(limited_server: str) -> None:
 def test_models_are_listed_in_pages_without_their_report(limited_server: str) -> None:
     with httpx.Client(base_url=limited_server, timeout=60) as client:
         ids = []
-        for _ in range(LIMIT):
-            resp = client.post("/v1/loads", json={"model": "empty.gguf"})
+        for i in range(LIMIT):
+            resp = client.post("/v1/loads", json={"model": "empty.gguf", "name": f"m{i}"})
             ids.append(wait_for(client, resp.headers["location"], ENDED)["model_id"])
         everything = client.get("/v1/models").json()
         assert everything["total"] == LIMIT and [m["id"] for m in everything["data"]] == ids
@@ -98,38 +101,38 @@ def test_models_are_listed_in_pages_without_their_report(limited_server: str) ->
 
 
 async def test_only_queued_running_and_resident_loads_count(models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.api import jobs as jobs_module
+    from service.api import runner as runner_module
 
     _empty_model(models_dir / "empty.gguf")
     go = asyncio.Event()
-    real = jobs_module.load_plan
+    real = runner_module.load_plan
 
     async def held(*args: Any, **kwargs: Any) -> Any:
         await go.wait()
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(jobs_module, "load_plan", held)
+    monkeypatch.setattr(runner_module, "load_plan", held)
     jobs = JobManager(str(models_dir), [CPUDevice()], Limits(max_resident_models=LIMIT))
     try:
-        first = [await jobs.submit("empty.gguf", {}) for _ in range(LIMIT)]
+        first = [await jobs.submit(LoadSpec.of("empty.gguf", name=f"m{i}")) for i in range(LIMIT)]
         await asyncio.sleep(0.05)
         assert [j.state for j in first] == [JobState.RUNNING] + [JobState.QUEUED] * (LIMIT - 1)
         with pytest.raises(ModelLimitError, match=f"0 models are resident and {LIMIT} loads"):
-            await jobs.submit("empty.gguf", {})
+            await jobs.submit(LoadSpec.of("empty.gguf", name="x"))
         # a cancelled load leaves room at once
         jobs.cancel(first[-1].id)
-        last = await jobs.submit("empty.gguf", {})
+        last = await jobs.submit(LoadSpec.of("empty.gguf", name="last"))
         go.set()
         while not all(j.state.terminal for j in (*first, last)):
             await asyncio.sleep(0.01)
         assert len(jobs.models) == LIMIT
         with pytest.raises(ModelLimitError, match=f"{LIMIT} models are resident and 0 loads"):
-            await jobs.submit("empty.gguf", {})
+            await jobs.submit(LoadSpec.of("empty.gguf", name="x"))
         # a load that fails leaves no model: only the failure's own submit was counted
-        jobs.unload(last.id)
+        await jobs.unload(last.id)
         (models_dir / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 8)
         with pytest.raises(Exception, match="bad.gguf"):
-            await jobs.submit("bad.gguf", {})
-        assert (await jobs.submit("empty.gguf", {})).state is JobState.QUEUED
+            await jobs.submit(LoadSpec.of("bad.gguf"))
+        assert (await jobs.submit(LoadSpec.of("empty.gguf", name="y"))).state is JobState.QUEUED
     finally:
         await jobs.close()

@@ -1,10 +1,14 @@
-"""``/healthz``: liveness, independent of any model's state."""
+"""``/healthz`` (liveness, independent of any model's state) and ``/readyz`` (readiness:
+the preloaded models are resident)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
-from service.api.schemas import Health
+from service.api.deps import JobsDep
+from service.api.errors import problem
+from service.api.schemas import Health, Ready, problem_responses
 
 router = APIRouter(tags=["health"])
 
@@ -13,3 +17,21 @@ router = APIRouter(tags=["health"])
 async def healthz() -> Health:
     """200 while the event loop answers (``HEAD`` too, as on every ``GET`` route)."""
     return Health()
+
+
+@router.get("/readyz", response_model=Ready, responses=problem_responses(503))
+async def readyz(jobs: JobsDep, request: Request) -> JSONResponse:
+    """200 once every model of ``HOIST_PRELOAD`` is resident (at once without any); else
+    503 (``not_ready``) listing those ``pending`` (with their job) and ``failed`` (with
+    the error). A preloaded model unloaded later makes it 503 again."""
+    ready, pending, failed = jobs.readiness()
+    if pending or failed:
+        parts = []
+        if pending:
+            parts.append(f"{len(pending)} preloaded model{'s' if len(pending) > 1 else ''} not resident yet")
+        if failed:
+            parts.append(f"{len(failed)} failed to load")
+        return problem(
+            503, "; ".join(parts), "not_ready", request.url.path, {"Retry-After": "1"}, pending=pending, failed=failed
+        )
+    return JSONResponse({"status": "ready", "models": ready})

@@ -11,7 +11,6 @@ from fastapi.responses import JSONResponse, Response
 from service.api.deps import ClientGoneDep, JobsDep
 from service.api.routes.views import job_json, job_listed, job_out
 from service.api.schemas import COMMON_PROBLEMS, LoadJobList, LoadJobOut, LoadRequest, problem_responses
-from service.loader.pipeline import LoadOptions
 
 router = APIRouter(prefix="/v1/loads", tags=["loads"], responses=COMMON_PROBLEMS)
 
@@ -23,14 +22,16 @@ _ONE = problem_responses(404)
 async def start_load(body: LoadRequest, jobs: JobsDep, gone: ClientGoneDep) -> JSONResponse:
     """Start loading a model in the background; answers at once with the job.
 
-    The file's header is read and the placement planned before answering, so a missing
-    or invalid file, invalid flags, a big-endian file or a model that does not fit
-    beside the loads and models already admitted are a 4xx here rather than a failed
-    job; beyond ``HOIST_MAX_QUEUED_LOADS`` waiting loads the answer is 429."""
-    options = LoadOptions(
-        staging_buffers=body.staging_buffers, staging_nbytes=body.staging_size, check_tensors=body.check_tensors
-    )
-    job = await jobs.submit(body.model, body.flags(), options, watch=gone)
+    The file's header is read and the placement planned before answering (once: the
+    load runs that plan), so a missing or invalid file, invalid flags, a big-endian file
+    or a model that does not fit beside the loads and models already admitted are a 4xx
+    here rather than a failed job; beyond ``HOIST_MAX_QUEUED_LOADS`` waiting loads the
+    answer is 429. A load of a model resident under the same name (or any name, when
+    none is given) from the same files with the same resolved placement shares it: the
+    job is ``succeeded`` at once with ``shared: true``; a name held by another model is
+    409 (``name_taken``), by a load of the same model in progress 409
+    (``load_in_progress``)."""
+    job = await jobs.submit(body.spec(), watch=gone)
     return JSONResponse(job_out(job, jobs.models_dir), status_code=202, headers={"Location": f"/v1/loads/{job.id}"})
 
 

@@ -10,7 +10,8 @@ import json
 from typing import Any
 
 from service.api.errors import scrub_paths
-from service.api.jobs import JobState, LoadJob, ResidentModel
+from service.api.registry import ResidentModel
+from service.api.runner import JobState, LoadJob
 from service.loader.model import MemoryReport
 
 
@@ -46,7 +47,10 @@ def _job_static(job: LoadJob, models_dir: str) -> dict[str, Any]:
         "error": job.error,
         "memory": memory_out(job.report) if job.report is not None else None,
         "memory_summary": job.memory_summary,
-        "model_id": job.id if job.state is JobState.SUCCEEDED else None,
+        "model_id": job.model_id if job.state is JobState.SUCCEEDED else None,
+        "name": job.name,
+        "shared": job.shared,
+        "keep_alive": job.keep_alive_s,
         "created_at": job.created_at.isoformat(),
         "started_at": job.started_at.isoformat() if job.started_at else None,
         "finished_at": job.finished_at.isoformat() if job.finished_at else None,
@@ -91,13 +95,19 @@ def job_listed(job: LoadJob, models_dir: str) -> dict[str, Any]:
     return data
 
 
-def model_out(resident: ResidentModel, *, full: bool = True) -> dict[str, Any]:
+def model_out(resident: ResidentModel, *, full: bool = True, freed: bool = False) -> dict[str, Any]:
     """A resident model; ``full``: with its memory report (key ``memory``), else its
-    summary only, as listings show it."""
+    summary only, as listings show it; ``freed``: as the unload that freed it answers."""
     data = {
         "id": resident.id,
         "object": "model",
+        "name": resident.name,
         "model": resident.model,
+        "state": "unloaded" if freed else "resident",
+        "references": resident.references,
+        "keep_alive": resident.keep_alive_s,
+        "expires_at": resident.expires_at.isoformat() if resident.expires_at else None,
+        "last_used_at": resident.last_used_at.isoformat(),
         "load_mode": resident.loaded.load_mode,
         "n_tensors": len(resident.loaded),
         "loaded_at": resident.loaded_at.isoformat(),
