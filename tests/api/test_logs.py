@@ -66,7 +66,7 @@ def test_json_lines_carry_the_job_and_model(hoist_serve: Any, models_dir: Path, 
         _time(r["time"])
         assert r["level"] in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") and r["logger"] and "message" in r
     loggers = {r["logger"] for r in records}
-    assert {"uvicorn.error", "uvicorn.access", "service.api.jobs"} <= loggers, loggers
+    assert {"uvicorn.error", "uvicorn.access", "service.api.runner"} <= loggers, loggers
 
     of_job = [r for r in records if r.get("job_id") == job["id"]]
     assert of_job and all(r["model"] == LONG_NAME for r in of_job)
@@ -108,7 +108,7 @@ def test_text_lines_are_one_format_and_never_wrapped(hoist_serve: Any, models_di
         _time(match[1])
         parsed.append(match)
     assert max(len(line) for line in lines) > 120  # long lines stay whole
-    assert {m[3] for m in parsed} >= {"uvicorn.error", "uvicorn.access", "service.api.jobs"}
+    assert {m[3] for m in parsed} >= {"uvicorn.error", "uvicorn.access", "service.api.runner"}
     of_job = [m for m in parsed if m[4] == job["id"]]
     assert of_job and all(m[5] == LONG_NAME for m in of_job)
     messages = [m[6] for m in of_job]

@@ -168,10 +168,10 @@ def test_route_labels_stay_templates(live_server: str) -> None:
             assert client.delete(f"/v1/models/m{i}").status_code == 404
         samples = scrape(client)
     handlers = {s.labels["handler"] for s in samples["hoist_http_requests"]}
-    assert handlers <= {"/v1/loads/{job_id}", "/v1/models/{model_id}", "none", "/metrics"}, handlers
+    assert handlers <= {"/v1/loads/{job_id}", "/v1/models/{ref:model_ref}", "none", "/metrics"}, handlers
     by = {(s.labels["handler"], s.labels["method"]): s.value for s in samples["hoist_http_requests"]}
     assert by[("/v1/loads/{job_id}", "GET")] == 20
-    assert by[("/v1/models/{model_id}", "DELETE")] == 20
+    assert by[("/v1/models/{ref:model_ref}", "DELETE")] == 20
     assert by[("none", "GET")] == 20
     statuses = {s.labels["status"] for s in samples["hoist_http_requests"]}
     assert statuses <= {"2xx", "4xx"}
