@@ -97,7 +97,7 @@ def test_text_lines_are_one_format_and_never_wrapped(hoist_serve: Any, models_di
     forged = "x\n2026-01-01T00:00:00.000Z INFO    forged: hello\x1b[31m.gguf"
     name = put(models_dir, write_fixture(tmp_path / "f.gguf", tensors=mixed_tensors(2)), forged)
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        resp = client.post("/v1/loads", json={"model": name})
+        resp = client.post("/v1/loads", json={"model": name, "name": "forged"})  # the path is no valid name
         assert wait_for(client, resp.headers["location"], ENDED)["state"] == "succeeded"
     out = _output(server, "forged")
     lines = out.splitlines()
