@@ -15,7 +15,7 @@ from service.api.auth import BearerAuth
 from service.api.head import HeadAsGet
 from service.api.jobs import JobManager, Limits
 from service.api.limits import BodyLimit
-from service.api.routes import devices, health, loads, models, plans
+from service.api.routes import devices, events, health, loads, models, plans
 from service.api.server import connection_limit
 from service.api.settings import Settings
 from service.loader.devices import discover_devices
@@ -66,7 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="hoist", version=__version__, lifespan=lifespan)
     errors.install(app)
-    for router in (health.router, loads.router, plans.router, models.router, devices.router):
+    for router in (health.router, loads.router, events.router, plans.router, models.router, devices.router):
         app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if token is not None:

@@ -26,6 +26,7 @@ import aiofiles.os
 from service.api.admission import Reservations, metadata_nbytes, plan_needs
 from service.api.encode import plan_json
 from service.api.errors import public_error
+from service.api.events import EventHub
 from service.api.offload import Offloader, Watch
 from service.cancel import CancelToken
 from service.errors import (
@@ -255,6 +256,7 @@ class JobManager:
         self._slots = asyncio.Semaphore(self.limits.max_concurrent_loads)
         self._counter = itertools.count(1)
         self._watcher: asyncio.Task[None] | None = None
+        self.events = EventHub(models_dir)
 
     def _new_id(self) -> str:
         return f"lj_{next(self._counter):04d}{secrets.token_hex(4)}"
@@ -429,16 +431,19 @@ class JobManager:
     def _fail(self, job: LoadJob, error: dict[str, Any]) -> None:
         job.error = error
         job.transition(JobState.FAILED)
+        self.events.publish(job, "error")
 
     async def _run(self, job: LoadJob, index: WeightIndex) -> None:
         async with self._slots:
             if job.state is not JobState.QUEUED:
                 return
             job.transition(JobState.RUNNING)
+            self.events.publish(job, "state")
 
             def on_progress(p: Progress) -> None:
                 job.bytes_done = p.bytes_done
                 job.bytes_total = p.bytes_total
+                self.events.publish(job, "progress", by_device=p.by_device)
 
             assert job.plan is not None
             limit = self.limits.load_timeout_s or None
@@ -454,6 +459,7 @@ class JobManager:
                 return
             except asyncio.CancelledError:
                 job.transition(JobState.CANCELLED)
+                self.events.publish(job, "state")
                 raise
             except HoistError as exc:
                 self._fail(job, public_error(exc, self.models_dir))
@@ -480,8 +486,10 @@ class JobManager:
             for warning in loaded.warnings:
                 if warning not in loaded.plan.warnings:  # those were answered with the plan
                     logger.warning("load %s of %s: %s", job.id, job.model, warning)
+                    self.events.publish(job, "warning", warning=warning)
             job.stats = loaded.stats.to_dict()
             job.transition(JobState.SUCCEEDED)
+            self.events.publish(job, "report")
             logger.info("loaded %s as %s (%d bytes)", job.model, job.id, loaded.report.total_nbytes)
 
     def cancel(self, job_id: str) -> LoadJob:
@@ -492,6 +500,7 @@ class JobManager:
             raise ConflictError(f"load job '{job_id}' already ended as {job.state.value}")
         if job.state is JobState.QUEUED:
             job.transition(JobState.CANCELLED)
+            self.events.publish(job, "state")
             self.reservations.release(job.id)
             job.plan = None
         job.cancel_requested = True
