@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 from service.api.local import LocalLoad
 from service.errors import LoadCancelledError
@@ -40,15 +41,15 @@ async def main() -> int:
     )
     async for event in load.events():
         e = event.json()
-        print(f"{e['event']:9} seq={e['seq']:<4} {e['bytes_done']}/{e['bytes_total']} bytes {e['by_device']}")
+        sys.stdout.write(f"{e['event']:9} seq={e['seq']:<4} {e['bytes_done']}/{e['bytes_total']} {e['by_device']}\n")
     try:
         model = await load.result()
     except LoadCancelledError as exc:
-        print(f"cancelled: {exc.message}")
+        sys.stdout.write(f"cancelled: {exc.message}\n")
         return 1
     with model:
         for line in model.report.lines():
-            print(line)
+            sys.stdout.write(line + "\n")
     return 0
 
 
