@@ -70,7 +70,7 @@ def _parsers() -> list[argparse.ArgumentParser]:
 
 def test_every_parser_refuses_abbreviations() -> None:
     parsers = _parsers()
-    assert len(parsers) == 8
+    assert len(parsers) == 9
     assert all(p.allow_abbrev is False and isinstance(p, cli.Parser) for p in parsers)
 
 
@@ -87,6 +87,7 @@ def test_every_parser_refuses_abbreviations() -> None:
         ["serve", "--allow"],
         ["devices", "--js"],
         ["demo", "--mod", "d"],
+        ["watch", "lj_1", "--ur", "http://x"],  # not --url
         ["--vers", "devices"],
     ],
 )

@@ -17,7 +17,7 @@ from service.api.head import HeadAsGet
 from service.api.jobs import JobManager, Limits
 from service.api.limits import BodyLimit
 from service.api.metrics import Metrics
-from service.api.routes import devices, files, health, loads, metrics, models, plans
+from service.api.routes import devices, events, files, health, loads, metrics, models, plans
 from service.api.server import connection_limit
 from service.api.settings import Settings, preload_specs
 from service.loader.devices import discover_devices
@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="hoist", version=__version__, lifespan=lifespan, swagger_ui_parameters={"validatorUrl": None}
     )
     errors.install(app)
-    routers = (health, loads, plans, models, files, devices, metrics)
+    routers = (health, loads, events, plans, models, files, devices, metrics)
     for router in (r.router for r in routers):
         app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

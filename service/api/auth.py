@@ -51,10 +51,11 @@ class BearerAuth:
         if ok:
             await self.app(scope, receive, send)
             return
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008, "reason": "a bearer token is required"})
-            return
         challenge = 'Bearer realm="hoist"' + (', error="invalid_token"' if given else "")
         detail = "the bearer token is not valid" if given else "this endpoint needs 'Authorization: Bearer <token>'"
         response = problem(401, detail, "unauthorized", scope["path"], {"WWW-Authenticate": challenge})
-        await response(scope, receive, send)
+        if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
+            # a server that cannot answer a handshake with a response: policy violation
+            await send({"type": "websocket.close", "code": 1008, "reason": "a bearer token is required"})
+            return
+        await response(scope, receive, send)  # a websocket handshake is refused with it too

@@ -26,6 +26,7 @@ from service.api.admission import Reservations, metadata_nbytes, plan_needs
 from service.api.catalog import Summaries
 from service.api.encode import plan_json
 from service.api.errors import public_error, scrub_paths
+from service.api.events import EventHub
 from service.api.keepalive import FOREVER
 from service.api.offload import Offloader, Watch
 from service.api.registry import LoadInProgressError, ModelRegistry, NameTakenError, ResidentModel
@@ -199,6 +200,11 @@ class JobManager:
         self.preloads: list[Preload] = []
         self._admission = asyncio.Lock()
         self._preloading: asyncio.Task[None] | None = None
+
+    @property
+    def events(self) -> EventHub:
+        """The live events of every job."""
+        return self.runner.events
 
     @property
     def jobs(self) -> dict[str, LoadJob]:

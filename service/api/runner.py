@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from service.api.admission import Reservations
 from service.api.errors import public_error
+from service.api.events import EventHub
 from service.errors import BusyError, ConflictError, HoistError, NotFoundError, clip
 from service.loader.devices import Device
 from service.loader.model import LoadedModel, MemoryReport
@@ -206,6 +207,7 @@ class JobRunner:
         self._slots = asyncio.Semaphore(max_concurrent_loads)
         self._counter = itertools.count(1)
         self.observer: LoadObserver | None = None
+        self.events = EventHub(models_dir)
 
     def new_id(self) -> str:
         """A fresh job id."""
@@ -265,12 +267,14 @@ class JobRunner:
     def _fail(self, job: LoadJob, error: dict[str, Any]) -> None:
         job.error = error
         job.transition(JobState.FAILED)
+        self.events.publish(job, "error")
 
     async def _run(self, job: LoadJob, index: WeightIndex) -> None:
         async with self._slots:
             if job.state is not JobState.QUEUED:
                 return
             job.transition(JobState.RUNNING)
+            self.events.publish(job, "state")
             bind_load(job.id, job.model)  # this task's log records name the job and model
             assert job.plan is not None
             for line in job.plan.offload_lines():
@@ -281,6 +285,7 @@ class JobRunner:
                     self.observer.load_progressed(job, p.bytes_done - job.bytes_done)
                 job.bytes_done = p.bytes_done
                 job.bytes_total = p.bytes_total
+                self.events.publish(job, "progress", by_device=p.by_device)
 
             limit = self.load_timeout_s or None
             try:
@@ -296,6 +301,7 @@ class JobRunner:
                 return
             except asyncio.CancelledError:
                 job.transition(JobState.CANCELLED)
+                self.events.publish(job, "state")
                 raise
             except HoistError as exc:
                 self._fail(job, public_error(exc, self.models_dir))
@@ -314,10 +320,12 @@ class JobRunner:
             for warning in loaded.warnings:
                 if warning not in loaded.plan.warnings:  # those were answered with the plan
                     logger.warning("load %s of %s: %s", job.id, job.model, warning)
+                    self.events.publish(job, "warning", warning=warning)
             job.stats = loaded.stats.to_dict()
             job.model_id = job.id
             self.on_loaded(job, loaded)
             job.transition(JobState.SUCCEEDED)
+            self.events.publish(job, "report")
             for line in loaded.report.lines():
                 logger.info("%s", line)  # llama.cpp's buffer lines, verbatim
             logger.info("loaded %s as %s (%s, %d bytes)", job.model, job.id, job.name, loaded.report.total_nbytes)
@@ -330,6 +338,7 @@ class JobRunner:
             raise ConflictError(f"load job '{job_id}' already ended as {job.state.value}")
         if job.state is JobState.QUEUED:
             job.transition(JobState.CANCELLED)
+            self.events.publish(job, "state")
             self.reservations.release(job.id)
             job.plan = None
         job.cancel_requested = True

@@ -29,6 +29,12 @@ from service.logs import log_config
 KEEP_ALIVE_S = 5
 """Seconds an idle keep-alive connection stays open."""
 
+WS_MAX_MESSAGE_BYTES = 64 << 10
+"""Largest websocket message a client may send (nothing it sends is read)."""
+
+WS_PING_S = 20.0
+"""Seconds between websocket pings, and to answer one before the connection is closed."""
+
 FD_MARGIN = 256
 """File descriptors left to loads, dry runs and the process itself however many
 connections the settings allow."""
@@ -249,6 +255,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._send_timer = None
         super().connection_lost(exc)
 
+    def handle_websocket_upgrade(self) -> None:
+        """Hand the connection to the websocket protocol: the request arrived whole, so
+        this protocol's timers stop (the websocket's pings find a client that went away);
+        the connection stays counted against ``max_connections``."""
+        self._disarm()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        super().handle_websocket_upgrade()
+
     def send_400_response(self, msg: str) -> None:
         if len(self.pipeline) >= self.MAX_PIPELINED:
             detail = f"more than {self.MAX_PIPELINED} pipelined requests wait on this connection"
@@ -275,9 +291,9 @@ def guarded_protocol(settings: Settings) -> type[GuardedHttpToolsProtocol]:
 
 def server_config(app: Any, settings: Settings, *, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     """The uvicorn configuration hoist serves with: uvloop, the guarded httptools
-    protocol, the settings' limits, and logging in the settings' format for every
-    logger, uvicorn's server and access logs included (:func:`service.logs.log_config`,
-    applied when the configuration is made)."""
+    protocol, websockets (sans-I/O ``websockets``), the settings' limits, and logging in
+    the settings' format for every logger, uvicorn's server and access logs included
+    (:func:`service.logs.log_config`, applied when the configuration is made)."""
     return uvicorn.Config(
         app,
         host=host,
@@ -287,8 +303,13 @@ def server_config(app: Any, settings: Settings, *, host: str, port: int, log_lev
         log_level=log_level,
         log_config=log_config(settings.log_format, log_level),
         timeout_keep_alive=KEEP_ALIVE_S,
-        # no websocket routes: an upgrade request is an ordinary request (and a 404)
-        ws="none",
+        # websockets (the events of a load): small messages from clients, pings to find
+        # the ones that went away or stopped reading
+        ws="websockets-sansio",
+        ws_max_size=WS_MAX_MESSAGE_BYTES,
+        ws_ping_interval=WS_PING_S,
+        ws_ping_timeout=WS_PING_S,
+        ws_per_message_deflate=False,
         # requests still running then are cancelled, which stops their work at its next check
         timeout_graceful_shutdown=10,
     )

@@ -1,5 +1,5 @@
 """``hoist demo``: place the sample model, serve, and load it through the HTTP API as a
-client would (``POST /v1/loads``, then poll the job until it ends)."""
+client would (``POST /v1/loads``, then follow the job's events until it ends)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import json
 from rich.markup import escape
 
 from service.cli.commands import models_dir_for
-from service.cli.console import err, out, progress_bar, run
+from service.cli.console import err, run
 from service.cli.serve import check_exposure, check_port_free, settings_for
+from service.cli.watch import follow, show_end
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -51,23 +52,11 @@ async def _demo(args: argparse.Namespace) -> int:
             return 1
         location = resp.headers["location"]
         err.print(f"202 Accepted, Location: {location}")
-        with progress_bar() as bar:
-            task = bar.add_task("load", total=resp.json()["bytes_total"])
-            while True:
-                job = (await client.get(location)).json()
-                bar.update(task, completed=job["bytes_done"], total=job["bytes_total"])
-                if job["state"] in ("succeeded", "failed", "cancelled"):
-                    break
-                await asyncio.sleep(0.1)
-    if job["state"] != "succeeded":
-        err.print(f"[red]load {job['state']}:[/red] {escape(str((job.get('error') or {}).get('message')))}")
-    else:
-        err.print(f"loaded {job['n_tensors']} tensors of {sample.name}; memory report:")
-        for line in job["memory"]["lines"]:
-            out.print(line)
+    final = await follow(base, location.rsplit("/", 1)[-1], token)
+    status = show_end(final)
     err.print(f"still serving on {base} (try {base}/v1/devices); press Ctrl-C to stop")
     await serving
-    return 0 if job["state"] == "succeeded" else 1
+    return status
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from service.cli.commands import cmd_devices, cmd_inspect, cmd_load, cmd_plan, c
 from service.cli.console import err
 from service.cli.demo import cmd_demo
 from service.cli.serve import cmd_serve
+from service.cli.watch import DEFAULT_URL, cmd_watch
 from service.loader import pipeline
 from service.loader.placement import LazyMode, LoadMode, SplitMode
 from service.sample import SAMPLES
@@ -215,6 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("watch", help="follow a load job of a running service to its end")
+    p.add_argument("job_id", metavar="JOB_ID", help="the load job (lj_...)")
+    p.add_argument(
+        "--url",
+        default=os.environ.get("HOIST_URL", DEFAULT_URL),
+        help=f"the service (default: $HOIST_URL or {DEFAULT_URL}); the token is $HOIST_API_TOKEN",
+    )
+    p.set_defaults(func=cmd_watch)
     for command in sub.choices.values():
         command.set_defaults(command_parser=command)  # for usage errors found after parsing
     return parser

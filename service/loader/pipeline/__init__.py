@@ -204,6 +204,7 @@ async def load_plan(
             options,
             placement.load_mode is LoadMode.DIRECT_IO,
             on_progress,
+            [t.device for t in placement.tensors],
         )
         for mapping in res.mappings.values():
             how = mapping.changed()
@@ -246,6 +247,7 @@ async def _run_worker(
     options: LoadOptions,
     direct: bool,
     on_progress: ProgressCallback | None,
+    device_of: Sequence[str],
 ) -> tuple[WorkerStats, dict[str, Any]]:
     """On a loader thread, ``prepare`` (map, allocate, lock: blocking work that stays off
     the event loop) then run the jobs it put in ``res``; returns the loader's stats and
@@ -260,17 +262,19 @@ async def _run_worker(
     cancel = threading.Event()
     done_future: asyncio.Future[None] = loop.create_future()
     state = {"done": 0, "by_callback": False}
+    by_device = dict.fromkeys(device_of, 0)
 
-    def deliver(n: int) -> None:
+    def deliver(n: int, index: int) -> None:
         state["done"] += n
+        by_device[device_of[index]] += n
         if on_progress is not None and not cancel.is_set():
-            if on_progress(Progress(state["done"], total)) is False:
+            if on_progress(Progress(state["done"], total, dict(by_device))) is False:
                 state["by_callback"] = True
                 cancel.set()
 
-    def report(n: int) -> None:
+    def report(n: int, index: int) -> None:
         if n:
-            loop.call_soon_threadsafe(deliver, n)
+            loop.call_soon_threadsafe(deliver, n, index)
 
     worker = Worker(res.jobs, options, direct=direct, cancel=cancel, report=report, identities=identities)
 
@@ -298,7 +302,7 @@ async def _run_worker(
         loop.call_soon_threadsafe(finish, error)
         error = None
 
-    if on_progress is not None and on_progress(Progress(0, total)) is False:
+    if on_progress is not None and on_progress(Progress(0, total, dict(by_device))) is False:
         raise LoadCancelledError("the load was cancelled by its progress callback before it started")
     thread = threading.Thread(target=body, name="hoist-load", daemon=True)
     thread.start()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from service.errors import RequestError
 
@@ -81,10 +81,13 @@ class Progress:
     Attributes:
         bytes_done: bytes in place so far (monotonic).
         bytes_total: bytes the load brings in (a tensor loaded to two buffers counts twice).
+        by_device: bytes in place so far per device name (the device a tensor is placed
+            on; mapped CPU tensors count for ``CPU``); sums to ``bytes_done``.
     """
 
     bytes_done: int
     bytes_total: int
+    by_device: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def fraction(self) -> float:

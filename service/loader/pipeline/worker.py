@@ -124,7 +124,8 @@ class Worker:
         options: the load's tunables.
         direct: read with ``O_DIRECT`` (direct-io load mode).
         cancel: set to stop at the next chunk.
-        report: called with the bytes of each chunk done.
+        report: called with the bytes of each chunk done and the index (in the plan) of
+            the tensor they belong to.
         identities: file index -> the file's identity when its header was parsed; a
             file opened for data must still be that file.
     """
@@ -136,7 +137,7 @@ class Worker:
         *,
         direct: bool,
         cancel: threading.Event,
-        report: Callable[[int], None],
+        report: Callable[[int, int], None],
         identities: dict[int, tuple[int, int, int, int]] | None = None,
     ) -> None:
         self.jobs = jobs
@@ -249,7 +250,7 @@ class Worker:
 
     def _done(self, job: TensorJob, n: int) -> None:
         self.stats.branches[job.branch] = self.stats.branches.get(job.branch, 0) + n
-        self.report(n)
+        self.report(n, job.index)
 
     def _pool(self, device: Device) -> _DevicePool:
         pool = self.pools.get(device.name)
