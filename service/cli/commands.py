@@ -27,7 +27,7 @@ DEFAULT_MODELS_DIR = "models"
 def models_dir_for(args: argparse.Namespace) -> str:
     """``--models-dir``, else ``$HOIST_MODELS_DIR``, else :data:`DEFAULT_MODELS_DIR`."""
     models_dir: str | None = args.models_dir
-    return models_dir or os.environ.get("HOIST_MODELS_DIR", DEFAULT_MODELS_DIR)
+    return models_dir or os.environ.get("HOIST_MODELS_DIR") or DEFAULT_MODELS_DIR
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -64,9 +64,12 @@ def show_end(event: dict[str, Any]) -> int:
     """Print how a followed load ended; its exit status."""
     if event["event"] == "report":
         report = event["report"]
+        memory_lines = (report.get("memory") or {}).get("lines") or []
+        # the plan's lines end with the planned buffer lines: the report's measured ones replace them
         for line in report.get("plan_lines") or []:
-            out.print(line)
-        for line in (report.get("memory") or {}).get("lines") or []:
+            if "model buffer size" not in line:
+                out.print(line)
+        for line in memory_lines:
             out.print(line)
         took = report.get("load_time_s")
         err.print(f"loaded {event['bytes_done']} bytes as {report['model_id']}" + (f" in {took:.2f} s" if took else ""))
