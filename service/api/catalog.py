@@ -19,7 +19,7 @@ from typing import Any
 
 from service.api.errors import public_error
 from service.cancel import CancelToken, check
-from service.errors import HoistError, RequestAbandonedError, WorkLimitError
+from service.errors import HoistError, RequestAbandonedError, WorkLimitError, clip
 from service.loader.file_types import file_type_name
 from service.loader.gguf import HeaderLimits
 from service.loader.gguf.reader import file_identity
@@ -30,6 +30,10 @@ MAX_DEPTH = 8
 
 MAX_ENTRIES = 100_000
 """Directory entries examined by one walk; beyond, the listing says it was truncated."""
+
+MAX_ARCHITECTURE = 64
+"""Characters of ``general.architecture`` a summary gives (llama.cpp's names are short;
+a file may declare megabytes)."""
 
 CACHE_ENTRIES = 4096
 """Summaries kept (least recently used dropped first)."""
@@ -66,9 +70,9 @@ def walk(models_dir: str, cancel: CancelToken | None = None) -> Walk:
     paths: list[str] = []
     outside: set[str] = set()
     seen = 0
-    truncated = False
+    truncated = full = False
     stack: list[tuple[str, int]] = [(root, 0)]
-    while stack and not truncated:
+    while stack and not full:
         directory, depth = stack.pop()
         try:
             with os.scandir(directory) as entries:
@@ -77,14 +81,14 @@ def walk(models_dir: str, cancel: CancelToken | None = None) -> Walk:
                     if seen & 1023 == 0:
                         check(cancel)
                     if seen > MAX_ENTRIES:
-                        truncated = True
+                        truncated = full = True
                         break
                     try:
                         if entry.is_dir(follow_symlinks=False):
                             if depth < MAX_DEPTH:
                                 stack.append((entry.path, depth + 1))
                             else:
-                                truncated = True
+                                truncated = True  # deeper levels are left out, the rest walked
                             continue
                         if not entry.name.endswith(".gguf") or not entry.is_file():
                             continue
@@ -184,7 +188,7 @@ class Summaries:
             architecture = meta.get("general.architecture")
             out = {
                 **empty,
-                "architecture": architecture if isinstance(architecture, str) else None,
+                "architecture": clip(architecture, MAX_ARCHITECTURE) if isinstance(architecture, str) else None,
                 "file_type": file_type,
                 "file_type_name": file_type_name(file_type, (w.info.ggml_type.name for w in index.weights.values())),
                 "size_bytes": sum(f.file_size for f in index.files),

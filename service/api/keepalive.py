@@ -19,8 +19,8 @@ MAX_DURATION_CHARS = 64
 """Longest duration string taken."""
 
 _UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
-_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
+_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_NUMBER = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)")
 
 
 def _go_duration(text: str) -> float:
@@ -66,7 +66,10 @@ def parse_keep_alive(value: object) -> float:
                 "(ns, us, ms, s, m, h) such as '5m' or '1h30m'"
             ) from None
     elif isinstance(value, (int, float)):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            seconds = math.inf if value > 0 else -math.inf
     else:
         raise RequestError("keep_alive must be a number of seconds or a duration string")
     if math.isnan(seconds):

@@ -19,12 +19,15 @@ MAX_NAME = 256
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+/-]*")
 
+_JOB_ID = re.compile(r"lj_[0-9]*[0-9a-f]{8}")
+"""What a load job's id looks like (models are found by id before name)."""
+
 
 def check_name(name: str, *, what: str = "name") -> str:
     """``name`` if it can name a model: 1 to :data:`MAX_NAME` characters of ASCII
     letters, digits and ``. _ : @ + / -``, starting with a letter, digit or ``_``, with no
-    empty, ``.`` or ``..`` segment between slashes and not ending in ``/ready`` (that
-    path is the model's readiness).
+    empty, ``.`` or ``..`` segment between slashes, not ending in ``/ready`` (that
+    path is the model's readiness) and not shaped like a load job's id (``lj_...``).
 
     Raises:
         RequestError: naming what is wrong.
@@ -36,6 +39,11 @@ def check_name(name: str, *, what: str = "name") -> str:
             f"model {what} {clip(ascii(name), 100)} may hold only ASCII letters, digits and '. _ : @ + / -', "
             "starting with a letter, digit or '_'",
             hint="give the load a 'name'" if what == "default name" else None,
+        )
+    if _JOB_ID.fullmatch(name):
+        raise RequestError(
+            f"model {what} {name!r} looks like a load job's id, by which models are found too",
+            hint="give the load another 'name'",
         )
     parts = name.split("/")
     if any(p in ("", ".", "..") for p in parts) or parts[-1] == "ready":

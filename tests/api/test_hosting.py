@@ -335,3 +335,45 @@ def test_preload_as_a_list_of_paths_reports_failures(hoist_serve: Any, models_di
             time.sleep(0.05)
         assert [(f["name"], f["error"]["code"]) for f in body["failed"]] == [("missing.gguf", "model_not_found")]
         assert client.get("/v1/models/a.gguf/ready").status_code == 200
+
+
+def test_hostile_listing_and_names_are_bounded(tmp_path: Path) -> None:
+    import os
+
+    from gguf import GGUFValueType
+
+    from service.api.catalog import MAX_ARCHITECTURE, Summaries, walk
+    from service.api.keepalive import FOREVER, parse_keep_alive
+    from service.api.spec import check_name
+    from service.errors import RequestError
+    from service.loader.gguf import HeaderLimits
+    from tests.helpers import gguf_kv, gguf_string, raw_gguf
+
+    models = tmp_path / "models"
+    models.mkdir()
+    # an architecture of 4 MiB is listed clipped
+    kv = [gguf_kv("general.architecture", GGUFValueType.STRING, gguf_string("A" * (4 << 20)))]
+    (models / "big.gguf").write_bytes(raw_gguf(kv, [], b""))
+    summary = Summaries(str(models), HeaderLimits(max_bytes=64 << 20)).summary("big.gguf")
+    assert summary["architecture"].startswith("AAAA") and len(summary["architecture"]) < MAX_ARCHITECTURE + 64
+    # a tree deeper than the walk goes leaves its depths out, not its siblings
+    deep = models / "deep"
+    for i in range(12):
+        deep = deep / f"d{i}"
+    deep.mkdir(parents=True)
+    (deep / "x.gguf").write_bytes(b"GGUF")
+    for i in range(5):
+        (models / "zz" / str(i)).mkdir(parents=True)
+        (models / "zz" / str(i) / "m.gguf").write_bytes(b"GGUF")
+    found = walk(str(models))
+    assert found.truncated and sum(p.startswith("zz" + os.sep) for p in found.paths) == 5
+    # numbers far past a float, and digits other than ASCII's
+    with pytest.raises(RequestError):
+        parse_keep_alive(10**400)
+    assert parse_keep_alive(-(10**400)) == FOREVER
+    with pytest.raises(RequestError):
+        parse_keep_alive("\u0663")
+    # a name shaped like a job id would be found as that job's model
+    with pytest.raises(RequestError, match="load job's id"):
+        check_name("lj_00019060aadc")
+    assert check_name("lj_model") == "lj_model"
