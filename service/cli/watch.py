@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import urllib.parse
 from typing import Any
 
 from rich.markup import escape
@@ -46,8 +47,9 @@ async def follow(base: str, job_id: str, token: str | None) -> dict[str, Any]:
     url = base.replace("http://", "ws://", 1).replace("https://", "wss://", 1).rstrip("/")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with _bar() as bar:
-        task = bar.add_task(f"loading {job_id}", total=None)
-        async with websockets.connect(f"{url}/v1/loads/{job_id}/events", additional_headers=headers) as ws:
+        task = bar.add_task(f"loading {escape(job_id)}", total=None)
+        events_url = f"{url}/v1/loads/{urllib.parse.quote(job_id, safe='')}/events"
+        async with websockets.connect(events_url, additional_headers=headers) as ws:
             async for message in ws:
                 event: dict[str, Any] = json.loads(message)
                 if event["event"] == "snapshot":
@@ -95,7 +97,7 @@ async def _watch(args: argparse.Namespace) -> int:
             detail = ""
         err.print(f"[red]refused ({exc.response.status_code}):[/red] {escape(str(detail))}")
         return EXIT_ERROR
-    except (OSError, ConnectionError, websockets.ConnectionClosedError) as exc:
+    except (OSError, ConnectionError, websockets.ConnectionClosedError, websockets.InvalidURI) as exc:
         err.print(f"[red]cannot follow load job {escape(args.job_id)} at {escape(args.url)}:[/red] {escape(str(exc))}")
         return EXIT_ERROR
     return show_end(final)
