@@ -20,14 +20,16 @@ def run(coro: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(coro)
 
 
-def progress_bar() -> Progress:
-    """A transient byte-count progress bar on :data:`err` (not started)."""
+def progress_bar(*, label: str = "loading", transient: bool = True) -> Progress:
+    """A byte-count progress bar on :data:`err` (not started), each task labelled
+    ``label`` (a rich format string: ``{task.description}`` gives the task's own), gone
+    from the screen when it stops if ``transient``."""
     return Progress(
-        TextColumn("[bold]loading"),
+        TextColumn(f"[bold]{label}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
         console=err,
-        transient=True,
+        transient=transient,
     )

@@ -12,9 +12,9 @@ import urllib.parse
 from typing import Any
 
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import Progress
 
-from service.cli.console import err, out, run
+from service.cli.console import err, out, progress_bar, run
 from service.cli.exit_codes import EXIT_ERROR, EXIT_OK
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -22,14 +22,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 def _bar() -> Progress:
     """A byte-count progress bar on stderr that stays on screen when it stops."""
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=err,
-    )
+    return progress_bar(label="{task.description}", transient=False)
 
 
 async def follow(base: str, job_id: str, token: str | None) -> dict[str, Any]:
