@@ -228,6 +228,13 @@ class RequestAbandonedError(RequestError):
     code = "request_abandoned"
 
 
+class CallbackRefusedError(RequestError):
+    """A load's callback URL is not one the service may call (``HOIST_CALLBACK_HOSTS``,
+    scheme, credentials, length)."""
+
+    code = "callback_refused"
+
+
 class BusyError(HoistError):
     """Too many loads or requests are waiting already; try again later.
 

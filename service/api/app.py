@@ -42,6 +42,10 @@ def limits_from(settings: Settings) -> Limits:
         descriptors_kept=connection_limit(settings),
         keep_alive_s=settings.keep_alive_s(),
         evict_idle=settings.evict_idle,
+        callback_hosts=settings.callback_hosts,
+        callback_secret=settings.callback_secret.get_secret_value() if settings.callback_secret else None,
+        callback_timeout_s=settings.callback_timeout_s,
+        callback_retry_s=settings.callback_retry_s,
         header_limits=HeaderLimits(
             settings.max_gguf_header_bytes, settings.max_kv_pairs, settings.max_tensors, settings.max_splits
         ),

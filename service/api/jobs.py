@@ -23,6 +23,8 @@ from typing import Any
 import aiofiles.os
 
 from service.api.admission import Reservations, metadata_nbytes, plan_needs
+from service.api.callback_policy import AllowList
+from service.api.callbacks import Callbacks
 from service.api.catalog import Summaries
 from service.api.encode import plan_json
 from service.api.errors import public_error, scrub_paths
@@ -85,6 +87,14 @@ class Limits:
     """Keep-alive of a load that gives none (seconds; negative: until unloaded)."""
     evict_idle: bool = False
     """Unload least-recently-used models to make room for a load that would not fit."""
+    callback_hosts: str = ""
+    """Hosts and networks callbacks may be sent to (empty: callbacks refused)."""
+    callback_secret: str | None = field(default=None, repr=False)
+    """Key that signs callback requests (None: unsigned)."""
+    callback_timeout_s: float = 5.0
+    """Connect and read time limit of one callback attempt, in seconds."""
+    callback_retry_s: float = 60.0
+    """How long a job's final event is retried, in seconds."""
 
 
 MAX_MODEL_PATH = 4096
@@ -197,6 +207,13 @@ class JobManager:
             load_timeout_s=self.limits.load_timeout_s,
         )
         self.catalog = Summaries(models_dir, self.limits.header_limits)
+        self.callbacks = Callbacks(
+            self.runner.events,
+            AllowList(self.limits.callback_hosts),
+            secret=self.limits.callback_secret,
+            timeout_s=self.limits.callback_timeout_s,
+            final_retry_s=self.limits.callback_retry_s,
+        )
         self.preloads: list[Preload] = []
         self._admission = asyncio.Lock()
         self._preloading: asyncio.Task[None] | None = None
@@ -380,9 +397,12 @@ class JobManager:
             BudgetExceededError: the plan does not fit beside the loads and models
                 already admitted (after evicting idle models, when that is on).
             WorkLimitError, RequestAbandonedError: as :meth:`plan_model`.
+            CallbackRefusedError: the callback URL is not allowed (or callbacks are off).
         """
         if spec.name is not None:
             check_name(spec.name)
+        if spec.callback is not None:
+            self.callbacks.check(spec.callback)
         keep_alive = self.limits.keep_alive_s if spec.keep_alive_s is None else spec.keep_alive_s
         if (spec.name or spec.model) not in self.registry.by_name:
             # refused before the planning work when nothing resident could be shared
@@ -394,7 +414,10 @@ class JobManager:
         async with self._admission:
             resident = self.registry.shareable(spec.name, key, checked=spec.options.check_tensors)
             if resident is not None:
-                return self._share(resident, spec, planned, keep_alive)
+                job = self._share(resident, spec, planned, keep_alive)
+                if spec.callback is not None:
+                    self.callbacks.start(job, spec.callback)
+                return job
             name = spec.name if spec.name is not None else check_name(spec.model, what="default name")
             self._check_name(name, key, spec.options.check_tensors)
             self.runner.check_queue()
@@ -424,6 +447,9 @@ class JobManager:
                     f"evicted the idle model '{resident.name}' ({resident.id}, "
                     f"{resident.loaded.report.total_nbytes} bytes) to make room"
                 )
+            if spec.callback is not None:
+                # started first: it follows the job from its first event
+                self.callbacks.start(job, spec.callback)
             self.runner.start(job, index)
             return job
 
@@ -565,4 +591,5 @@ class JobManager:
             self._preloading.cancel()
             await asyncio.gather(self._preloading, return_exceptions=True)
         await self.runner.close()
+        await self.callbacks.close()
         await self.registry.close()

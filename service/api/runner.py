@@ -121,6 +121,8 @@ class LoadJob:
     plan_summary: dict[str, Any] = field(default_factory=dict)
     memory_summary: dict[str, Any] | None = None
     load_mode: str = ""
+    callback: Any = field(default=None, repr=False)
+    """The delivery status of the job's callback (:class:`~service.api.callbacks.DeliveryStatus`), if any."""
 
     def __post_init__(self) -> None:
         if self.plan is not None:

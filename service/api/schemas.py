@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
+from service.api.callback_policy import MAX_CALLBACK_URL
+from service.api.callbacks import DEFAULT_EVENTS, CallbackSpec
 from service.api.keepalive import parse_keep_alive
 from service.api.spec import MAX_NAME, LoadSpec, PlacementFlags, check_name
 from service.errors import RequestError
@@ -103,6 +105,32 @@ class PlanRequest(BaseModel):
         return PlacementFlags.of(**self.model_dump(include=set(PlanRequest.model_fields) - {"model"}))
 
 
+class CallbackIn(BaseModel):
+    """Where a load's events are POSTed (webhooks), as the job's event stream gives them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(
+        min_length=1,
+        max_length=MAX_CALLBACK_URL,
+        description="http or https URL without credentials, on a host HOIST_CALLBACK_HOSTS allows; redirects are "
+        "not followed.",
+    )
+    events: list[Literal["snapshot", "progress", "state", "warning", "report", "error"]] | None = Field(
+        default=None,
+        max_length=16,
+        description="Event types sent (default progress, state, warning, report, error).",
+    )
+    min_interval_s: float = Field(
+        default=1.0, ge=0, le=3600, description="Least time between two progress deliveries, in seconds."
+    )
+
+    def spec(self) -> CallbackSpec:
+        """The callback as the job manager takes it."""
+        events = DEFAULT_EVENTS if self.events is None else frozenset(self.events)
+        return CallbackSpec(self.url, events, self.min_interval_s)
+
+
 class LoadRequest(PlanRequest):
     """Body of ``POST /v1/loads``: a plan's fields, and how the bytes move."""
 
@@ -131,6 +159,9 @@ class LoadRequest(PlanRequest):
         description="How long the model stays resident after this load, as Ollama's keep_alive: seconds, or a "
         "duration such as '5m' or '1h30m'; 0 unloads it once loaded, a negative value keeps it until unloaded. "
         "Default HOIST_KEEP_ALIVE.",
+    )
+    callback: CallbackIn | None = Field(
+        default=None, description="POST the job's events to this URL as they happen (webhooks); see the README."
     )
 
     @field_validator("name")
@@ -163,7 +194,8 @@ class LoadRequest(PlanRequest):
             staging_buffers=self.staging_buffers, staging_nbytes=self.staging_size, check_tensors=self.check_tensors
         )
         keep_alive = None if self.keep_alive is None else float(self.keep_alive)
-        return LoadSpec(self.model, self.name, self.flags(), options, keep_alive)
+        callback = None if self.callback is None else self.callback.spec()
+        return LoadSpec(self.model, self.name, self.flags(), options, keep_alive, callback)
 
 
 class BufferOut(BaseModel):
@@ -190,6 +222,20 @@ class MemorySummaryOut(BaseModel):
     by_device: dict[str, dict[str, int]]
     total_bytes: int
     n_buffers: int
+
+
+class CallbackStatusOut(BaseModel):
+    """What a load's callback did so far."""
+
+    target: str = Field(description="scheme://host:port of the callback URL.")
+    delivered: int = Field(description="Events the receiver accepted (2xx).")
+    retried: int = Field(description="Attempts repeated after a connection error, time-out or 5xx.")
+    dropped: int = Field(description="Events given up on (failed, or too many waiting).")
+    coalesced: int = Field(description="Progress events replaced by newer progress while the receiver was behind.")
+    pending: int = Field(description="Events waiting for delivery.")
+    last_error: str | None = Field(description="Why the latest failed attempt failed.")
+    last_status: int | None = Field(description="HTTP status of the latest answer.")
+    done: bool = Field(description="The sender ended (final event delivered or given up on).")
 
 
 class LoadJobListed(BaseModel):
@@ -226,6 +272,7 @@ class LoadJobListed(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     links: dict[str, str]
+    callback: CallbackStatusOut | None = Field(default=None, description="Delivery status of the load's callback.")
 
 
 class LoadJobOut(LoadJobListed):

@@ -144,6 +144,34 @@ class Settings(BaseSettings):
     "n_gpu_layers": 99}]``); ``/readyz`` answers 200 once all are resident
     (``HOIST_PRELOAD``)."""
 
+    callback_hosts: str = Field(default="", max_length=16384)
+    """Hosts that load callbacks (webhooks) may be sent to: host names, ``*.domain``
+    wildcards and CIDR networks, separated by commas; empty: a load with a ``callback``
+    is refused (400). Each delivery resolves the host and sends only to addresses inside
+    a listed network, or to public addresses of a host listed by name
+    (``HOIST_CALLBACK_HOSTS``)."""
+
+    callback_secret: SecretStr | None = Field(default=None)
+    """Key that signs every callback request: ``Hoist-Signature: t=<unix seconds>,v1=<hex
+    HMAC-SHA256 of "<t>.<body>">`` (``HOIST_CALLBACK_SECRET``; unset: unsigned)."""
+
+    callback_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    """Connect and read time limit of one callback request, in seconds
+    (``HOIST_CALLBACK_TIMEOUT_S``)."""
+
+    callback_retry_s: float = Field(default=60.0, ge=0, le=24 * 3600)
+    """How long a load's final callback event (report, error, cancelled) is retried, in
+    seconds; other events at most as long, progress is tried twice and other events five
+    times at most (``HOIST_CALLBACK_RETRY_S``)."""
+
+    @field_validator("callback_hosts")
+    @classmethod
+    def _callback_hosts_parse(cls, value: str) -> str:
+        from service.api.callback_policy import AllowList
+
+        AllowList(value)
+        return value
+
     @field_validator("keep_alive")
     @classmethod
     def _keep_alive_parse(cls, value: str) -> str:

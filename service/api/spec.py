@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.api.callbacks import CallbackSpec
 from service.errors import RequestError, clip
 from service.loader.pipeline import LoadOptions
 from service.loader.placement import PlacementParams, Plan, make_params
@@ -106,6 +107,7 @@ class LoadSpec:
         options: how the bytes move (staging, check-tensors).
         keep_alive_s: seconds it stays resident after this load (0: unloaded at once,
             negative: until unloaded); None for the service's default.
+        callback: where its events are POSTed, if anywhere.
     """
 
     model: str
@@ -113,6 +115,7 @@ class LoadSpec:
     flags: PlacementFlags = field(default_factory=PlacementFlags)
     options: LoadOptions = field(default_factory=LoadOptions)
     keep_alive_s: float | None = None
+    callback: CallbackSpec | None = None
 
     @classmethod
     def of(

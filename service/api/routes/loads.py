@@ -30,7 +30,10 @@ async def start_load(body: LoadRequest, jobs: JobsDep, gone: ClientGoneDep) -> J
     none is given) from the same files with the same resolved placement shares it: the
     job is ``succeeded`` at once with ``shared: true``; a name held by another model is
     409 (``name_taken``), by a load of the same model in progress 409
-    (``load_in_progress``)."""
+    (``load_in_progress``). A ``callback`` whose URL ``HOIST_CALLBACK_HOSTS`` does not
+    allow (or any, when it is empty) is 400 (``callback_refused``); an accepted one gets
+    the job's events POSTed as they happen, its delivery status in the job's
+    ``callback``."""
     job = await jobs.submit(body.spec(), watch=gone)
     return JSONResponse(job_out(job, jobs.models_dir), status_code=202, headers={"Location": f"/v1/loads/{job.id}"})
 

@@ -77,14 +77,16 @@ def job_out(job: LoadJob, models_dir: str) -> dict[str, Any]:
     data["bytes_done"] = job.bytes_done
     data["bytes_total"] = job.bytes_total
     data["progress"] = round(job.progress, 6)
+    data["callback"] = job.callback.to_dict() if job.callback is not None else None
     return data
 
 
 def job_json(job: LoadJob, models_dir: str) -> bytes:
     """:func:`job_out` encoded as JSON, from the cached encoding of all but the counts."""
     head = _cached(job, models_dir)[1]
-    counts = f',"bytes_done":{job.bytes_done},"bytes_total":{job.bytes_total},"progress":{round(job.progress, 6)}}}'
-    return head + counts.encode()
+    counts = f',"bytes_done":{job.bytes_done},"bytes_total":{job.bytes_total},"progress":{round(job.progress, 6)}'
+    callback = json.dumps(job.callback.to_dict() if job.callback is not None else None, ensure_ascii=False)
+    return head + counts.encode() + b',"callback":' + callback.encode() + b"}"
 
 
 def job_listed(job: LoadJob, models_dir: str) -> dict[str, Any]:
