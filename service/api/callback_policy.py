@@ -174,6 +174,8 @@ class AllowList:
         target = parts.path or "/"
         if parts.query:
             target += "?" + parts.query
+        if port == 0:
+            raise CallbackRefusedError(f"callback URL {clip(url, 200)!r} names port 0")
         return Target(url, scheme, host, port or (443 if scheme == "https" else 80), target)
 
     async def resolve(self, target: Target) -> Address:

@@ -25,12 +25,14 @@ status is read; its body never is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
 import random
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +58,10 @@ OUTBOX_EVENTS = 64
 """Events that may wait for delivery per job; beyond, the oldest non-final one is dropped."""
 
 MAX_CONCURRENT_DELIVERIES = 16
+
+MAX_PER_TARGET = 4
+"""Deliveries in flight to one host and port at most, so that receivers that hang hold
+only their own share of :data:`MAX_CONCURRENT_DELIVERIES`."""
 """Deliveries in flight at once, over all jobs."""
 
 PROGRESS_ATTEMPTS = 2
@@ -203,8 +209,27 @@ class Callbacks:
         self.timeout_s = timeout_s
         self.final_retry_s = final_retry_s
         self._slots = asyncio.Semaphore(max_concurrent)
+        self._per_target: dict[tuple[str, int], tuple[asyncio.Semaphore, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._client: httpx.AsyncClient | None = None
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, target: Target) -> AsyncIterator[None]:
+        """A delivery slot: one of ``target``'s (host and port) first, then one of all."""
+        key = (target.host, target.port)
+        sem, users = self._per_target.get(key, (None, 0))
+        if sem is None:
+            sem = asyncio.Semaphore(MAX_PER_TARGET)
+        self._per_target[key] = (sem, users + 1)
+        try:
+            async with sem, self._slots:
+                yield
+        finally:
+            sem, users = self._per_target[key]
+            if users > 1:
+                self._per_target[key] = (sem, users - 1)
+            else:
+                del self._per_target[key]
 
     def check(self, spec: CallbackSpec) -> Target:
         """The callback's URL checked (form and allow-list). Raises CallbackRefusedError."""
@@ -307,7 +332,7 @@ class Callbacks:
         while True:
             attempt += 1
             try:
-                async with self._slots:
+                async with self._slot(target):
                     code = await self._post(job, target, event)
                 status.last_status = code
                 return True

@@ -298,6 +298,7 @@ def test_allow_list_names_networks_and_resolution() -> None:
         "gopher://hooks.example.com/x",
         "http://u:p@hooks.example.com/x",
         "http://hooks.example.com:99999/x",
+        "http://hooks.example.com:0/x",  # not "the default port"
         "http://hooks.example.com/a b",
     ):
         with pytest.raises(CallbackRefusedError):
@@ -332,3 +333,31 @@ def test_signature_and_backoff() -> None:
     delays = [backoff(n) for n in range(1, 12)]
     assert 0.125 <= delays[0] <= 0.25 and all(d <= 10.0 for d in delays)
     assert delays[4] >= 2.0  # grows: the fifth retry waits at least half of 4 s
+
+
+async def test_receivers_that_hang_hold_only_their_share_of_the_slots() -> None:
+    from service.api.callbacks import MAX_CONCURRENT_DELIVERIES, MAX_PER_TARGET, Callbacks
+    from service.api.events import EventHub
+
+    allow = AllowList("127.0.0.1/32, 127.0.0.2/32")
+    sender = Callbacks(EventHub("."), allow)
+    hanging = allow.check_url("http://127.0.0.1:9/hang")
+    other = allow.check_url("http://127.0.0.2:9/ok")
+    release = asyncio.Event()
+    inside = 0
+
+    async def hang() -> None:
+        nonlocal inside
+        async with sender._slot(hanging):
+            inside += 1
+            await release.wait()
+
+    tasks = [asyncio.create_task(hang()) for _ in range(3 * MAX_CONCURRENT_DELIVERIES)]
+    await asyncio.sleep(0.05)
+    assert inside == MAX_PER_TARGET  # the rest wait for the hanging target, not for everyone
+    async with asyncio.timeout(1):
+        async with sender._slot(other):
+            pass  # another receiver is served at once
+    release.set()
+    await asyncio.gather(*tasks)
+    assert inside == 3 * MAX_CONCURRENT_DELIVERIES and not sender._per_target
