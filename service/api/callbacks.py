@@ -152,10 +152,6 @@ class _Failed(Exception):
         self.status = status
 
 
-def _is_final(event: Event) -> bool:
-    return event.final
-
-
 @dataclass(eq=False)
 class _Outbox:
     """A job's events waiting for delivery: bounded, progress coalesced."""
@@ -171,7 +167,7 @@ class _Outbox:
             status.coalesced += 1
         else:
             if len(self.items) >= self.size:
-                victim = next((e for e in self.items if not _is_final(e)), None)
+                victim = next((e for e in self.items if not e.final), None)
                 if victim is not None:
                     self.items.remove(victim)
                     status.dropped += 1
