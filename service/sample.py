@@ -11,9 +11,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +108,8 @@ def sample_installed(name: str) -> bool:
 
 
 def _sha256(path: Path) -> str:
+    import hashlib
+
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(_CHUNK):
@@ -142,6 +142,9 @@ def _place_smollm2(sample: SampleModel, target: Path) -> Path:
         raise RequestError(
             f"{source} has {source.stat().st_size} bytes, expected {sample.size}: reinstall {sample.package}"
         )
+    import hashlib
+    import tempfile
+
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     tmp = Path(tmp_name)
     try:

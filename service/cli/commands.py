@@ -1,25 +1,21 @@
 """The model and device commands: ``inspect``, ``devices``, ``plan``, ``load`` and
-``sample``; each takes the parsed command line and returns the exit status."""
+``sample``; each takes the parsed command line and returns the exit status.
+
+Each command imports what it uses when it runs (the placement planner, the load pipeline,
+rich's console), so that ``hoist inspect`` reads a header without loading them."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
-import time
+from typing import TYPE_CHECKING
 
-from rich.markup import escape
-
-from service.cli.console import err, out, progress_bar, run
 from service.cli.exit_codes import EXIT_DOES_NOT_FIT, EXIT_OK
-from service.cli.options import devices_for, load_options, placement_params
-from service.cli.render import device_line, inspect_lines, print_plan
-from service.loader import pipeline
-from service.loader.placement import MemorySnapshot, plan
-from service.loader.summary import summarize, write_json
-from service.loader.weights import open_model
+
+if TYPE_CHECKING:
+    from service.loader import pipeline
 
 DEFAULT_MODELS_DIR = "models"
 
@@ -32,6 +28,10 @@ def models_dir_for(args: argparse.Namespace) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``hoist inspect``: the model's metadata and tensors, as tables or (``--json``) JSON."""
+    from service.cli.render import inspect_lines
+    from service.loader.summary import summarize, write_json
+    from service.loader.weights import open_model
+
     index = open_model(args.model)
     if args.json:
         write_json(summarize(index, lazy_arrays=True), sys.stdout)
@@ -43,6 +43,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_devices(args: argparse.Namespace) -> int:
     """``hoist devices``: each device's memory, buffer types and capabilities."""
+    from service.cli.console import out
+    from service.cli.options import devices_for
+    from service.cli.render import device_line
+
     devices = devices_for(args)
     if args.json:
         sys.stdout.write(json.dumps([d.to_dict() for d in devices], indent=1) + "\n")
@@ -54,6 +58,11 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``hoist plan``: where every tensor would go; :data:`EXIT_DOES_NOT_FIT` when it does not fit."""
+    from service.cli.options import devices_for, placement_params
+    from service.cli.render import print_plan
+    from service.loader.placement import MemorySnapshot, plan
+    from service.loader.weights import open_model
+
     devices = devices_for(args)
     params = placement_params(args, devices)
     index = open_model(args.model)
@@ -66,6 +75,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 async def _load(args: argparse.Namespace) -> int:
+    import asyncio
+    import time
+
+    from rich.markup import escape
+
+    from service.cli.console import err, progress_bar
+    from service.cli.options import devices_for, load_options, placement_params
+    from service.cli.render import print_plan
+    from service.loader import pipeline
+    from service.loader.weights import open_model
+
     devices = devices_for(args)
     params = placement_params(args, devices)
     index = await asyncio.to_thread(open_model, args.model)
@@ -111,11 +131,14 @@ async def _load(args: argparse.Namespace) -> int:
 
 def cmd_load(args: argparse.Namespace) -> int:
     """``hoist load``: load the model onto its devices and print the plan and memory report."""
+    from service.cli.console import run
+
     return run(_load(args))
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
     """``hoist sample``: place the bundled real models in the models directory; prints their paths."""
+    from service.cli.console import out
     from service.sample import place_samples
 
     for path in place_samples(models_dir_for(args), args.names):

@@ -1,23 +1,43 @@
 """The ``hoist`` command line: a :class:`Parser` that never guesses abbreviations, the
 subcommands and their flags (llama.cpp's spellings among them), and :func:`parse_args`,
-which settles the model path and ``-lm`` however they were given."""
+which settles the model path and ``-lm`` however they were given.
+
+Building the parser imports no command: each subcommand's function is named here and
+imported when it runs (:class:`Command`), so that ``hoist --help`` and usage errors load
+neither the loader, the service nor rich."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from service import __version__
-from service.cli.commands import cmd_devices, cmd_inspect, cmd_load, cmd_plan, cmd_sample
-from service.cli.console import err
-from service.cli.demo import cmd_demo
-from service.cli.serve import cmd_serve
-from service.cli.watch import DEFAULT_URL, cmd_watch
-from service.loader import pipeline
-from service.loader.placement import LazyMode, LoadMode, SplitMode
+from service.loader.modes import LazyMode, LoadMode, SplitMode
 from service.sample import SAMPLES
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+"""The service ``hoist watch`` follows when neither ``--url`` nor ``$HOIST_URL`` says."""
+
+DEFAULT_STAGING_BUFFERS = 4
+"""``--staging-buffers`` when not given (the load pipeline's default)."""
+
+
+class Command:
+    """A subcommand's function, ``module:function``, imported when it is called."""
+
+    def __init__(self, target: str) -> None:
+        self.module, self.name = target.split(":")
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        func = getattr(importlib.import_module(self.module), self.name)
+        status: int = func(args)
+        return status
+
+    def __repr__(self) -> str:
+        return f"Command('{self.module}:{self.name}')"
 
 
 class Parser(argparse.ArgumentParser):
@@ -93,6 +113,8 @@ def _resolve_load_mode(args: argparse.Namespace, parser: argparse.ArgumentParser
     if args.load_mode is not None:
         parser.error(f"-lm cannot be combined with {' '.join(used)}: use -lm {mode.value} alone")
     args.load_mode = mode.value
+    from service.cli.console import err
+
     err.print(f"note: {' '.join(used)} taken as -lm {mode.value}", markup=False)
 
 
@@ -136,9 +158,9 @@ def _load_options() -> Parser:
     parent.add_argument(
         "--staging-buffers",
         type=int,
-        default=pipeline.DEFAULT_STAGING_BUFFERS,
+        default=DEFAULT_STAGING_BUFFERS,
         metavar="N",
-        help="staging buffers per device for uploads (default 4)",
+        help=f"staging buffers per device for uploads (default {DEFAULT_STAGING_BUFFERS})",
     )
     parent.add_argument(
         "--staging-size", default=None, metavar="SIZE", help="staging buffer size (default 1MiB; 64MiB with direct-io)"
@@ -167,17 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show a GGUF model's metadata and tensors", parents=[dev])
     _model_argument(p)
     p.add_argument("--json", action="store_true", help="print everything as JSON")
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func=Command("service.cli.commands:cmd_inspect"))
 
     p = sub.add_parser("devices", help="list the devices and their memory", parents=[dev])
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_devices)
+    p.set_defaults(func=Command("service.cli.commands:cmd_devices"))
 
     p = sub.add_parser("plan", help="show where every tensor would go (dry run)", parents=[dev, place])
     _model_argument(p)
     p.add_argument("-v", "--verbose", action="store_true", help="also show tensors moved off their buffer type")
     p.add_argument("--json", action="store_true", help="print the plan as JSON, every tensor included")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=Command("service.cli.commands:cmd_plan"))
 
     p = sub.add_parser(
         "load", help="load a model onto its devices and print the memory report", parents=[dev, place, _load_options()]
@@ -185,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_argument(p)
     p.add_argument("-v", "--verbose", action="store_true", help="also show tensors moved off their buffer type")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cmd_load)
+    p.set_defaults(func=Command("service.cli.commands:cmd_load"))
 
     p = sub.add_parser("serve", help="run the HTTP service", parents=[dev])
     p.add_argument("--host", default="127.0.0.1")
@@ -202,12 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve on a non-loopback address without an API token (only behind a trusted network)",
     )
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=Command("service.cli.serve:cmd_serve"))
 
     p = sub.add_parser("sample", help="place the bundled real models in the models directory", parents=[dev])
     p.add_argument("names", nargs="*", metavar="NAME", help=f"which: {', '.join(SAMPLES)} (default: all)")
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
-    p.set_defaults(func=cmd_sample)
+    p.set_defaults(func=Command("service.cli.commands:cmd_sample"))
 
     p = sub.add_parser(
         "demo", help="place the sample, serve, and load it through the HTTP API", parents=[dev, _load_mode_options()]
@@ -215,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--models-dir", default=None, help="models directory (default: $HOIST_MODELS_DIR or ./models)")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=Command("service.cli.demo:cmd_demo"))
 
     p = sub.add_parser("watch", help="follow a load job of a running service to its end")
     p.add_argument("job_id", metavar="JOB_ID", help="the load job (lj_...)")
@@ -224,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("HOIST_URL", DEFAULT_URL),
         help=f"the service (default: $HOIST_URL or {DEFAULT_URL}); the token is $HOIST_API_TOKEN",
     )
-    p.set_defaults(func=cmd_watch)
+    p.set_defaults(func=Command("service.cli.watch:cmd_watch"))
     for command in sub.choices.values():
         command.set_defaults(command_parser=command)  # for usage errors found after parsing
     return parser

@@ -4,14 +4,14 @@ and memory reports."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rich.markup import escape
-
-from service.cli.console import err, out
-from service.loader.devices import Device
-from service.loader.placement import Plan
 from service.loader.summary import printable, summarize, value_text
-from service.loader.weights import WeightIndex
+
+if TYPE_CHECKING:  # the plan and devices are imported by the commands that print them
+    from service.loader.devices import Device
+    from service.loader.placement import Plan
+    from service.loader.weights import WeightIndex
 
 MiB = 1 << 20
 
@@ -94,6 +94,10 @@ def layer_ranges(layers: dict[str, str]) -> str:
 def print_plan(p: Plan, *, verbose: bool = False) -> None:
     """A plan as llama.cpp's log lines: devices, layers and warnings on stderr, offload and
     buffer lines on stdout, then each device's use of its free memory on stderr."""
+    from rich.markup import escape
+
+    from service.cli.console import err, out
+
     devices = ", ".join(p.devices) or "none (CPU only)"
     err.print(f"devices: {devices}; load mode: {escape(p.load_mode_label)}")
     err.print(f"layers: {layer_ranges(p.layers)}")

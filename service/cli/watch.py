@@ -17,8 +17,6 @@ from rich.progress import Progress
 from service.cli.console import err, out, progress_bar, run
 from service.cli.exit_codes import EXIT_ERROR, EXIT_OK
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-
 
 def _bar() -> Progress:
     """A byte-count progress bar on stderr that stays on screen when it stops."""

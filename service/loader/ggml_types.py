@@ -8,8 +8,10 @@ them a type and the byte arithmetic of ``ggml_nbytes`` / ``ggml_row_size``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from service.loader.ggml_type_table import GGML_TYPE_COUNT, GGML_TYPE_ROWS
 
@@ -92,6 +94,8 @@ _NUMPY_DTYPES: dict[str, str] = {
 def numpy_dtype(ggml_type: GGMLType, byte_order: str = "<") -> np.dtype[np.generic]:
     """The numpy dtype of one element of a plain ggml type, or ``uint8`` (one byte of a
     block) for block-quantized types. ``byte_order`` is ``"<"`` or ``">"``."""
+    import numpy as np
+
     code = _NUMPY_DTYPES.get(ggml_type.name)
     if code is None:
         return np.dtype(np.uint8)

@@ -6,15 +6,16 @@ import json
 import math
 import struct
 from collections import Counter
-from typing import Any, TextIO
-
-import numpy as np
-from gguf import GGUFValueType
+from typing import TYPE_CHECKING, Any, TextIO
 
 from service.loader.file_types import file_type_name
 from service.loader.gguf import GGUFArray, GGUFFloat, GGUFString
+from service.loader.gguf.constants import GGUFValueType
 from service.loader.gguf.values import is_utf8
 from service.loader.weights import WeightIndex
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -98,6 +99,8 @@ def raw_hex(value: Any, *, max_items: int | None = None) -> str | dict[str, str]
 
 def _json_floats(values: np.ndarray[Any, Any], bits: np.ndarray[Any, Any]) -> list[Any]:
     """Float array elements as JSON data, bit-exact (see :func:`float_json`)."""
+    import numpy as np
+
     out: list[Any] = values.tolist()
     width = values.dtype.itemsize
     for i in np.flatnonzero(~np.isfinite(values)).tolist():

@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
-from gguf import GGUFValueType
+from enum import IntEnum
+
+
+class GGUFValueType(IntEnum):
+    """The type of a KV value (``enum gguf_type`` in ``gguf.h``), with the same numbers and
+    names as gguf-py's ``GGUFValueType`` (an ``IntEnum`` too, so the two compare equal).
+    Defined here so that reading a header does not import gguf-py and its dependencies."""
+
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -24,8 +24,6 @@ import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gguf import GGUFValueType
-
 from service.cancel import CancelToken, check
 from service.errors import (
     FormatError,
@@ -37,7 +35,6 @@ from service.errors import (
     TruncatedError,
     UnsupportedVersionError,
 )
-from service.io.align import align_up
 from service.io.file import check_inside, open_readonly
 from service.loader.ggml_types import GGML_TYPE_COUNT, GGML_TYPES, REMOVED_GGML_TYPES, GGMLType
 from service.loader.gguf.constants import (
@@ -54,7 +51,9 @@ from service.loader.gguf.constants import (
     MIN_TENSOR_INFO_NBYTES,
     SCALAR_FORMATS,
     SUPPORTED_VERSIONS,
+    GGUFValueType,
 )
+from service.loader.gguf.strings import chain_in_block
 from service.loader.gguf.values import GGUFArray, GGUFFloat, GGUFString
 
 KVValue = bool | int | GGUFFloat | GGUFString | GGUFArray
@@ -252,7 +251,21 @@ _CHECK_EVERY_MASK = 4095
 """The cancel token is checked every 4096 KV pairs or tensor infos ..."""
 
 _CHECK_STRINGS_MASK = (1 << 16) - 1
-"""... and every 65536 strings of an array."""
+"""... and every 65536 strings of an array walked one at a time (and once per block of
+an array scanned vectorised)."""
+
+_VECTOR_MIN_STRINGS = 4096
+"""String arrays with at least this many elements that remain are scanned in blocks with
+numpy (:mod:`.strings`); shorter ones, and the tail of long ones, are walked one string
+at a time."""
+
+_SCAN_BLOCK_BYTES = 1 << 20
+"""Bytes of one block of a vectorised string-array scan, at most."""
+
+
+def _align_up(n: int, alignment: int) -> int:
+    """``n`` rounded up to a multiple of ``alignment`` (> 0)."""
+    return -(-n // alignment) * alignment
 
 
 def _check_magic(head: bytes, path: str) -> None:
@@ -499,7 +512,7 @@ class _Parser:
 
         data_offset = self.pos
         if tensors:
-            data_offset = align_up(self.pos, alignment)
+            data_offset = _align_up(self.pos, alignment)
             if data_offset > self.size:
                 raise TruncatedError(
                     f"the data section would start at byte {data_offset}, past the end of the file ({self.size} bytes)",
@@ -626,15 +639,48 @@ class _Parser:
         return GGUFArray(etype, count, bytes(self.data[start:end]), self.endian)
 
     def _skip_strings(self, key: str, count: int) -> int:
-        """Walk ``count`` strings from the cursor without decoding them; return the end."""
+        """Find the end of ``count`` strings from the cursor without decoding them.
+
+        Long arrays are scanned in blocks with numpy (:func:`.strings.chain_in_block`);
+        what remains, and any block the scan cannot settle (a malformed element), is
+        walked one string at a time, which reports the error where it is."""
+        pos, first = self._scan_strings(count)
+        return self._walk_strings(key, count, pos, first)
+
+    def _scan_strings(self, count: int) -> tuple[int, int]:
+        """Scan blocks of a string array from the cursor while at least
+        :data:`_VECTOR_MIN_STRINGS` strings remain; returns the position and index of
+        the first string not scanned.
+
+        A block spans at most 8 bytes per string that remains (the least those strings
+        take), so it never reaches past the array, and never past the file or the header
+        limit: the bytes read are those the walk would read."""
+        pos = self.pos
+        done = 0
+        end_cap = self.size if self.limit is None else min(self.size, self.limit)
+        while count - done >= _VECTOR_MIN_STRINGS:
+            check(self.cancel)
+            end = min(end_cap, pos + min(_SCAN_BLOCK_BYTES, 8 * (count - done)))
+            if end - pos < 8:
+                break
+            self._fill(end)
+            found, advance = chain_in_block(bytes(self.data[pos:end]), count - done, self.endian)
+            if not found:
+                break
+            done += found
+            pos += advance
+        return pos, done
+
+    def _walk_strings(self, key: str, count: int, pos: int, first: int) -> int:
+        """Walk strings ``first`` to ``count`` of the array starting at the cursor, the
+        first of them at ``pos``, one at a time; return the end of the array."""
         data = self.data
         size = self.size
         last = size - 8
         unpack = struct.Struct(self.endian + "Q").unpack_from
-        pos = self.pos
         have = len(data) - 8
-        for i in range(count):
-            if not i & _CHECK_STRINGS_MASK:
+        for i in range(first, count):
+            if not (i - first) & _CHECK_STRINGS_MASK:
                 check(self.cancel)
             if pos > have:
                 if pos > last:
@@ -786,4 +832,4 @@ class _Parser:
                     tensor=info.name,
                     offset=info.info_offset,
                 )
-            expected += align_up(info.nbytes, alignment)
+            expected += _align_up(info.nbytes, alignment)

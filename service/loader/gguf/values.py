@@ -23,12 +23,12 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from gguf import GGUFValueType
+from service.loader.gguf.constants import NUMPY_CODES, SCALAR_FORMATS, GGUFValueType
 
-from service.loader.gguf.constants import NUMPY_CODES
+if TYPE_CHECKING:
+    import numpy as np
 
 _U64 = {"<": struct.Struct("<Q"), ">": struct.Struct(">Q")}
 
@@ -141,6 +141,8 @@ class GGUFArray:
         """
         if self.element_type == GGUFValueType.STRING:
             raise TypeError("a string array has no numpy form; use strings()")
+        import numpy as np
+
         values: np.ndarray[Any, np.dtype[Any]] = np.frombuffer(
             self.payload, dtype=self.byte_order + NUMPY_CODES[self.element_type]
         )
@@ -181,6 +183,8 @@ class GGUFArray:
         width = _FLOAT_TYPES.get(self.element_type)
         if width is None:
             raise TypeError(f"an array of {self.element_type.name} has no float bits")
+        import numpy as np
+
         bits: np.ndarray[Any, np.dtype[Any]] = np.frombuffer(self.payload, dtype=f"{self.byte_order}u{width}")
         return bits
 
@@ -194,18 +198,24 @@ class GGUFArray:
                     break
                 out.append(GGUFString(raw))
             return out
-        return self._numbers(slice(0, n))
+        return self._numbers(max(0, min(n, self.count)))
 
     def to_list(self) -> list[Any]:
         """Every element as a Python value: :class:`GGUFString` for strings,
         :class:`GGUFFloat` for floats (bit-exact), ``int`` or ``bool`` otherwise."""
         if self.element_type == GGUFValueType.STRING:
             return [GGUFString(raw) for raw in self.iter_string_bytes()]
-        return self._numbers(slice(None))
+        return self._numbers(self.count)
 
-    def _numbers(self, part: slice) -> list[Any]:
+    def _numbers(self, n: int) -> list[Any]:
+        """The first ``n`` (<= ``count``) elements of a numeric or bool array, decoded
+        with ``struct`` (no numpy needed for a table's head)."""
         width = _FLOAT_TYPES.get(self.element_type)
-        if width is None:
-            values: list[Any] = self.numpy()[part].tolist()
-            return values
-        return [GGUFFloat(bits, width) for bits in self.float_bits()[part].tolist()]
+        if width is not None:
+            code = "I" if width == 4 else "Q"
+            return [GGUFFloat(bits, width) for bits in struct.unpack_from(f"{self.byte_order}{n}{code}", self.payload)]
+        fmt = SCALAR_FORMATS[self.element_type][0]
+        values = list(struct.unpack_from(f"{self.byte_order}{n}{fmt}", self.payload))
+        if self.element_type == GGUFValueType.BOOL:
+            return [v != 0 for v in values]
+        return values

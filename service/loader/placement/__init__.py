@@ -1,13 +1,10 @@
 """Placement: which device and buffer type every tensor gets, as llama.cpp decides it."""
 
+from service.loader.modes import FlagValue, LazyMode, LoadMode, SplitMode
 from service.loader.placement.buffers import BufferPlan, TensorPlacement
 from service.loader.placement.memory import MemorySnapshot
 from service.loader.placement.params import (
-    FlagValue,
-    LazyMode,
-    LoadMode,
     PlacementParams,
-    SplitMode,
     TensorOverride,
     make_params,
     parse_n_gpu_layers,

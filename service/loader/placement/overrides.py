@@ -17,8 +17,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import regex
-
 from service.cancel import CancelToken, check
 from service.errors import PlacementError, WorkLimitError, clip
 
@@ -127,6 +125,8 @@ def compile_override(pattern: str) -> Any:
     Raises:
         PlacementError: the pattern is refused or invalid.
     """
+    import regex  # the third-party engine: imported when a pattern is first compiled
+
     pattern_size(pattern)
     try:
         return regex.compile(pattern, regex.VERSION0)
