@@ -4,6 +4,7 @@
         [--modes none,mmap,mlock,mmap+mlock,direct-io] [--cache warm,cold] [--repeat N]
         [--llama-lib-dir DIR] [--llama-cpp-dir DIR] [--work-dir DIR] [--synthetic-gib G]
         [--evict auto|drop-caches|fadvise] [--json FILE] [--markdown]
+    .venv/bin/python bench/peers.py --summarize FILE [--markdown]
 
 llama.cpp's side is ``bench/llama_load.c``, a small program of ours linked to ``libllama``:
 one ``llama_model_load_from_file`` onto the CPU alone (``n_gpu_layers`` 0, no extra buffer
@@ -770,13 +771,13 @@ def bench_model(
     return records
 
 
-def header_lines(info: dict[str, Any], llama: LlamaBuild, records: Sequence[dict[str, Any]], repeat: int) -> list[str]:
+def header_lines(info: dict[str, Any], origin: str, records: Sequence[dict[str, Any]], repeat: int) -> list[str]:
     cold = [r for r in records if r["cache"] == "cold"]
     lines = [
         f"date: {info['date']}",
         f"machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB RAM, Linux {info['kernel']}, "
         f"filesystem {info['filesystem']}, transparent huge pages: {info['transparent_hugepage']}",
-        f"hoist {info['hoist_commit']} (Python {info['python']}); llama.cpp: {llama.origin}",
+        f"hoist {info['hoist_commit']} (Python {info['python']}); llama.cpp: {origin}",
         f"median (min-max) of {repeat} runs each, every run in a fresh process; ratios are hoist / other "
         "(lower is better); h/read compares hoist's tensors phase with a plain read",
     ]
@@ -791,6 +792,16 @@ def header_lines(info: dict[str, Any], llama: LlamaBuild, records: Sequence[dict
             + ("" if worst < 0.01 else " (the eviction did not take entirely)")
         )
     return lines
+
+
+def report(info: dict[str, Any], origin: str, records: Sequence[dict[str, Any]], repeat: int, markdown: bool) -> str:
+    """The output: header, tensor bytes per model, and the table."""
+    rows = summarize(records)
+    lines = header_lines(info, origin, records, repeat)
+    sizes = {r.model: r.tensor_bytes for r in rows}
+    lines += [f"{m}: {n / MiB:.1f} MiB of tensor data" for m, n in sizes.items()]
+    lines += [""] + (markdown_table(rows) if markdown else text_table(rows))
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -822,7 +833,13 @@ def main() -> int:
     parser.add_argument("--evict", choices=("auto", "drop-caches", "fadvise"), default="auto")
     parser.add_argument("--json", type=Path, help="write every measurement and the summary there")
     parser.add_argument("--markdown", action="store_true", help="print the summary as a Markdown table")
+    parser.add_argument("--summarize", type=Path, metavar="FILE", help="measure nothing: summarize a --json FILE")
     args = parser.parse_args()
+    if args.summarize:
+        saved = json.loads(args.summarize.read_text())
+        repeat = saved.get("repeat") or 1 + max(r["rep"] for r in saved["runs"])
+        sys.stdout.write(report(saved["machine"], saved["llama"], saved["runs"], repeat, args.markdown))
+        return 0
 
     modes = [m for m in args.modes.split(",") if m]
     names = [m for m in args.models.split(",") if m]
@@ -856,14 +873,10 @@ def main() -> int:
             evict_method=args.evict,
             log=log,
         )
-    rows = summarize(records)
-    lines = header_lines(info, llama, records, args.repeat)
-    sizes = {r.model: r.tensor_bytes for r in rows}
-    lines += [f"{m}: {n / MiB:.1f} MiB of tensor data" for m, n in sizes.items()]
-    lines += [""] + (markdown_table(rows) if args.markdown else text_table(rows))
-    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.write(report(info, llama.origin, records, args.repeat, args.markdown))
     if args.json:
-        args.json.write_text(json.dumps({"machine": info, "llama": llama.origin, "runs": records}, indent=1))
+        saved = {"machine": info, "llama": llama.origin, "repeat": args.repeat, "runs": records}
+        args.json.write_text(json.dumps(saved, indent=1))
     return 0
 
 

@@ -209,3 +209,34 @@ def test_our_llama_cpp_program_refuses_an_unknown_mode(tmp_path_factory: pytest.
     )
     done = subprocess.run([str(program), "x.gguf", "fast"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "usage" in done.stderr
+
+
+def test_a_saved_run_is_summarized_again_as_markdown(tmp_path: Path) -> None:
+    runs = [r | {"rep": 0, "evict": "fadvise", "resident_before": 0.0} for r in _records()]
+    info = {
+        "date": "2026-01-01 00:00 UTC",
+        "cpu": "cpu",
+        "cores": 2,
+        "ram_gib": 1.0,
+        "kernel": "k",
+        "filesystem": "ext4",
+        "transparent_hugepage": "madvise",
+        "hoist_commit": "abc",
+        "python": "3.11",
+    }
+    saved = tmp_path / "runs.json"
+    saved.write_text(json.dumps({"machine": info, "llama": "a build", "runs": runs}))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "peers.py"), "--summarize", str(saved), "--markdown"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert out[0] == "date: 2026-01-01 00:00 UTC"
+    assert any(line.startswith("cold: evicted with fadvise") for line in out)
+    assert any("1 runs failed" in line for line in out)
+    table = [line for line in out if line.startswith("| m |")]
+    assert table == peers.markdown_table(peers.summarize(runs))[2:]
