@@ -36,7 +36,9 @@ hoist and llama.cpp of one mode back to back (which goes first alternates by rou
 Warm: the file is read once before the round and stays cached. Cold: before each
 measurement the file is evicted from the page cache (``drop-caches``: ``sync`` and
 ``3 > /proc/sys/vm/drop_caches``, which evicts every cached file, programs and libraries
-too; ``fadvise``: ``posix_fadvise(DONTNEED)`` of the model file alone), then ``mincore``
+too, and so disturbs whatever else runs on the machine; ``fadvise``: ``fdatasync`` and
+``posix_fadvise(DONTNEED)`` of the model file alone, the choice on a shared machine;
+``auto``: drop-caches where permitted, else fadvise), then ``mincore``
 says how much of it is still resident: the output gives the method and the largest
 resident fraction found.
 
