@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from service.io.align import aligned_empty
 from service.io.meter import HOST_MEMORY, MemoryMeter
+from service.io.touch import TouchAhead, host_array
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,10 +202,20 @@ class ArrayBuffer(DeviceBuffer):
 
 class HostBuffer(ArrayBuffer):
     """A buffer in host memory (the ``CPU`` buffer type, or a device's host buffer type),
-    aligned to 4096 bytes."""
+    aligned to 4096 bytes; a large one is placed and first touched as the host buffer
+    policy says (:func:`service.io.touch.host_array`: huge pages, pages faulted in by a
+    helper thread while it is filled)."""
 
     def __init__(self, buffer_type: BufferType, nbytes: int) -> None:
-        super().__init__(buffer_type, aligned_empty(nbytes))
+        data, toucher = host_array(nbytes)
+        self._toucher: TouchAhead | None = toucher
+        super().__init__(buffer_type, data)
+
+    def _free(self) -> None:
+        if self._toucher is not None:
+            self._toucher.close()  # it holds the memory until it stops
+            self._toucher = None
+        super()._free()
 
 
 @dataclass

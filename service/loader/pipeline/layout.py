@@ -19,7 +19,6 @@ staged tensors come first, biggest first.
 
 from __future__ import annotations
 
-import mmap as _mmap_mod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -31,7 +30,9 @@ from service.io.align import align_up
 from service.io.mapping import Mapping
 from service.io.meter import HOST_MEMORY
 from service.io.mlock import MemoryLock
+from service.io.readahead import advise_mapping, will_read
 from service.loader.devices import Device, DeviceBuffer
+from service.loader.devices.cpu import host_memory
 from service.loader.placement import LoadMode, Plan, TensorPlacement
 from service.loader.placement.buffers import host_layout
 from service.loader.weights import WeightIndex
@@ -120,6 +121,18 @@ def _host_address(buf: DeviceBuffer) -> int | None:
     return int(view.ctypes.data) if isinstance(view, np.ndarray) and buf.nbytes else None
 
 
+def _read_ahead(index: WeightIndex, p: Plan) -> None:
+    """Start the kernel reading each file's tensor data (buffered loads), before the
+    buffers are allocated and while they are being filled."""
+    available = host_memory().free
+    by_file: dict[int, list[tuple[int, int]]] = {}
+    for t in p.tensors:
+        if not t.lazy:
+            by_file.setdefault(t.file_index, []).append((t.offset, t.nbytes))
+    for file_index, ranges in by_file.items():
+        available -= will_read(index.files[file_index].path, ranges, available)
+
+
 def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources) -> None:
     """Map, allocate and lock what ``p`` needs, and fill ``res.views`` (plan index ->
     raw view of the tensor's bytes) and ``res.jobs`` in load order.
@@ -130,6 +143,8 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
     """
     by_name = {d.name: d for d in devices}
     direct = p.load_mode is LoadMode.DIRECT_IO
+    if not p.use_mmap and not direct:
+        _read_ahead(index, p)
     in_place: set[int] = set()
     lock_host = p.load_mode is LoadMode.MLOCK
     lock_mapped = p.load_mode is LoadMode.MMAP_MLOCK
@@ -180,10 +195,12 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
         gguf_file = index.files[file_index]
         mapping = res.mappings[file_index] = Mapping(gguf_file.path)
         check_identity(gguf_file.path, gguf_file.identity, mapping.identity)
-        for t in by_file[file_index]:
-            if t.nbytes:
-                # lazy ranges are read at random, on demand; the rest is needed now
-                mapping.advise(t.offset, t.nbytes, _mmap_mod.MADV_RANDOM if t.lazy else _mmap_mod.MADV_WILLNEED)
+        # lazy ranges are read at random, on demand; the rest is needed now
+        advise_mapping(
+            mapping,
+            ((t.offset, t.nbytes) for t in by_file[file_index] if not t.lazy),
+            ((t.offset, t.nbytes) for t in by_file[file_index] if t.lazy),
+        )
         if lock_mapped:
             file_locks[file_index] = MemoryLock(mapping.addr, gguf_file.path, HOST_MEMORY)
             res.locks.append(file_locks[file_index])
