@@ -1,5 +1,5 @@
 """The few libc calls Python's standard library does not expose on a raw address range:
-``mmap``/``munmap`` of a file we manage by hand, ``madvise``, ``mlock``/``munlock``."""
+``mmap``/``munmap`` of a file we manage by hand, ``madvise``, ``mlock``/``mlock2``/``munlock``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,14 @@ _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _mlock = _libc.mlock
 _mlock.restype = ctypes.c_int
 _mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+
+_mlock2 = getattr(_libc, "mlock2", None)
+if _mlock2 is not None:
+    _mlock2.restype = ctypes.c_int
+    _mlock2.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
+
+MLOCK_ONFAULT = 1
+"""``mlock2`` flag: lock each page of the range when it is first faulted in, not now."""
 
 _munlock = _libc.munlock
 _munlock.restype = ctypes.c_int
@@ -61,6 +69,20 @@ def mlock(addr: int, length: int) -> None:
     """Lock ``[addr, addr + length)`` in memory. Raises OSError (EAGAIN/ENOMEM/EPERM)."""
     if _mlock(addr, length) != 0:
         _raise("mlock")
+
+
+def mlock_on_fault(addr: int, length: int) -> None:
+    """Lock ``[addr, addr + length)`` page by page as the pages are faulted in
+    (``mlock2(MLOCK_ONFAULT)``, Linux 4.4+, glibc 2.27+): unlike :func:`mlock`, nothing
+    is faulted in now. The lock limit is checked for the whole range at once.
+
+    Raises:
+        OSError: as :func:`mlock`; ENOSYS where the C library or kernel lacks ``mlock2``.
+    """
+    if _mlock2 is None:
+        raise OSError(38, "mlock2: not provided by the C library")
+    if _mlock2(addr, length, MLOCK_ONFAULT) != 0:
+        _raise("mlock2")
 
 
 def munlock(addr: int, length: int) -> None:

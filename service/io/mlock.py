@@ -4,6 +4,7 @@ grows as a load proceeds, with a clear warning, not an error, when the lock limi
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 
@@ -26,14 +27,20 @@ class MemoryLock:
         what: a name for messages (a file or buffer).
         meter: counts the bytes locked (for a locked file mapping, whose pages are not
             counted as an allocation anywhere else).
+        on_fault: lock pages as they are first faulted in (``MLOCK_ONFAULT``) instead of
+            faulting the whole range in when it is locked: for a buffer about to be
+            filled by reads, whose pages then fault in once, during the read, rather
+            than once for the lock and then again written over. Falls back to a plain
+            lock where ``mlock2`` is missing.
 
     Attributes:
         locked: bytes locked so far, from ``addr``.
         failed: the warning given when locking failed; further growth is not attempted.
     """
 
-    def __init__(self, addr: int, what: str, meter: MemoryMeter | None = None) -> None:
+    def __init__(self, addr: int, what: str, meter: MemoryMeter | None = None, *, on_fault: bool = False) -> None:
         self.addr = addr
+        self.on_fault = on_fault
         self.what = what
         self.meter = meter
         self.locked = 0
@@ -50,7 +57,7 @@ class MemoryLock:
         end = align_up(self.addr + target, PAGE_SIZE)
         if end > start:
             try:
-                libc.mlock(start, end - start)
+                self._lock(start, end - start)
             except OSError as exc:
                 limit = memlock_limit()
                 need = align_up(self.addr + target, PAGE_SIZE) - self._page_start
@@ -65,6 +72,17 @@ class MemoryLock:
             self.meter.add(target - self.locked)
         self.locked = target
         return None
+
+    def _lock(self, start: int, length: int) -> None:
+        if self.on_fault:
+            try:
+                libc.mlock_on_fault(start, length)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSYS, errno.EINVAL):
+                    raise
+                self.on_fault = False
+        libc.mlock(start, length)
 
     def release(self) -> None:
         """Unlock what was locked. Idempotent."""

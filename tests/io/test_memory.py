@@ -156,3 +156,28 @@ def test_will_read_is_bounded_by_available_memory(tmp_path: Path) -> None:
     assert will_read(str(path), [(0, 1 << 20)], available=1 << 20) == 0  # more than half
     assert will_read(str(path), [(0, 0)]) == 0
     assert will_read(str(tmp_path / "missing"), [(0, 10)]) == 0
+
+
+@pytest.mark.parametrize("on_fault", [True, False])
+def test_a_lock_on_fault_leaves_pages_out_until_written_and_a_plain_lock_brings_them_in(on_fault: bool) -> None:
+    import mmap
+
+    from service.io.mlock import MemoryLock
+
+    region = mmap.mmap(-1, FRESH, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        array = np.frombuffer(region, dtype=np.uint8)
+        lock = MemoryLock(array.ctypes.data, "a test buffer", on_fault=on_fault)
+        warning = lock.grow_to(FRESH)
+        if warning is not None:
+            pytest.skip(f"the lock limit refuses {FRESH} bytes here: {warning}")
+        assert lock.locked == FRESH
+        pages = FRESH // PAGE_SIZE
+        assert _resident(array) == (0 if on_fault else pages)
+        array[: FRESH // 2] = 7
+        assert _resident(array) == (pages // 2 if on_fault else pages)
+        lock.release()
+        assert lock.locked == 0
+        del array
+    finally:
+        region.close()

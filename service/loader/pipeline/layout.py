@@ -179,7 +179,7 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
         for buf in res.buffers:
             addr = _host_address(buf) if buf.buffer_type.is_host else None
             if addr is not None:
-                lock = MemoryLock(addr, f"a {buf.buffer_type.name} buffer")
+                lock = MemoryLock(addr, f"a {buf.buffer_type.name} buffer", on_fault=True)
                 res.locks.append(lock)
                 warning = lock.grow_to(buf.nbytes)
                 if warning:
