@@ -36,14 +36,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from service import __version__
 from service.api.callback_policy import AllowList, Target
 from service.api.events import Event, EventHub
 from service.errors import CallbackRefusedError, clip
 
 if TYPE_CHECKING:
+    import httpx
+
     from service.api.runner import LoadJob
 
 logger = logging.getLogger(__name__)
@@ -232,6 +232,8 @@ class Callbacks:
         return self.allow.check_url(spec.url)
 
     def _http(self) -> httpx.AsyncClient:
+        import httpx  # with its command-line extras, a third of a second: not before the first callback
+
         if self._client is None:
             self._client = httpx.AsyncClient(
                 follow_redirects=False,
@@ -373,6 +375,8 @@ class Callbacks:
             headers[SIGNATURE_HEADER] = sign(self.secret, body, int(time.time()))
         extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
         client = self._http()
+        import httpx
+
         try:
             # the read time-out bounds each read; this bounds a receiver that dribbles
             async with asyncio.timeout(self.timeout_s * ATTEMPT_TIMEOUTS):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, Literal, TypeAlias
@@ -368,9 +370,21 @@ class Problem(BaseModel):
     hint: str | None = None
 
 
+@functools.cache
+def _problem_schema_json() -> str:
+    return json.dumps(Problem.model_json_schema())
+
+
+def _problem_schema() -> dict[str, Any]:
+    """:class:`Problem`'s JSON schema, generated once (every route names it), a fresh copy
+    each time."""
+    schema: dict[str, Any] = json.loads(_problem_schema_json())
+    return schema
+
+
 def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI responses: each status answered with a :class:`Problem`."""
-    schema = Problem.model_json_schema()
+    schema = _problem_schema()
     described = {
         400: "Invalid flags or path.",
         401: "A bearer token is required (when the service has one).",

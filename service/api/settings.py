@@ -20,7 +20,9 @@ MAX_TOKEN_FILE_BYTES = 4096
 class Settings(BaseSettings):
     """Settings of one service instance."""
 
-    model_config = SettingsConfigDict(env_prefix="HOIST_", extra="ignore", use_attribute_docstrings=True)
+    # the docstring under each field documents it (see :func:`field_docs`); pydantic's
+    # use_attribute_docstrings would read this source at every start
+    model_config = SettingsConfigDict(env_prefix="HOIST_", extra="ignore")
 
     models_dir: Path = Field(default=Path("models"))
     """Directory that request paths are relative to; requests cannot leave it
@@ -279,15 +281,37 @@ def preload_specs(value: str | None) -> list[LoadSpec]:
     return [r.spec() for r in requests]
 
 
+def field_docs() -> dict[str, str]:
+    """Each :class:`Settings` field's docstring (the string literal under it), read from
+    this module's source."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(Settings)).body[0]
+    assert isinstance(body, ast.ClassDef)
+    for stmt, after in zip(body.body, body.body[1:], strict=False):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
 def markdown_table() -> list[str]:
     """The rows of the README's settings table: variable, default, what it does (the
     field's docstring without the variable name it ends with)."""
     rows = []
+    docs = field_docs()
     for name, field in Settings.model_fields.items():
         env = f"HOIST_{name.upper()}"
         default = field.default
         shown = "unset" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
-        text = " ".join((field.description or "").split())
+        text = " ".join(docs.get(name, "").split())
         text = text.replace(f" (``{env}``)", "").replace(f" (``{env}``; ", " (")
         text = text.replace("``", "`")
         rows.append(f"| `{env}` | `{shown}` | {text} |")

@@ -172,3 +172,41 @@ def test_errors_in_long_arrays_are_those_of_the_walk(
             m.setattr(reader_module, "_VECTOR_MIN_STRINGS", 1 << 40)  # walk every string
             walked = _error(path)
         assert scanned == walked
+
+
+def test_walked_vocabulary_agrees_with_gguf_py_and_the_scan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk a process without numpy takes (runs between cancel checks, reads as it
+    goes) ends each array where gguf-py and the vectorised scan do."""
+    tokens = _vocab(70_000, 3)
+    path = tmp_path / "vocab.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.merges", [f"m{i} n{i}" for i in range(5_000)])
+    w.add_uint32("general.after", 7)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    scanned = read_gguf(path)
+    calls: list[int] = []
+    monkeypatch.setattr(reader_module, "_scan_worth", lambda count: calls.append(count) or False)
+    monkeypatch.setattr(reader_module, "_CHECK_STRINGS_MASK", 1023)  # many runs, reads between them
+    monkeypatch.setattr(reader_module, "_FIRST_READ", 4096)
+    walked = read_gguf(path)
+    assert calls == [70_000, 5_000]
+    theirs = gguf.GGUFReader(path)
+    field = theirs.fields["tokenizer.ggml.tokens"]
+    expected = [bytes(field.parts[i]) for i in field.data]
+    for ours in (walked, scanned):
+        assert ours.kv["tokenizer.ggml.tokens"].value.string_bytes() == expected
+        assert ours.kv["general.after"].value == 7
+    assert walked.kv["tokenizer.ggml.merges"].value.strings() == scanned.kv["tokenizer.ggml.merges"].value.strings()
+
+
+def test_scan_only_where_numpy_is_loaded_or_worth_importing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    assert "numpy" in sys.modules  # pytest's process has it: every long array is scanned
+    assert reader_module._scan_worth(reader_module._VECTOR_MIN_STRINGS)
+    monkeypatch.delitem(sys.modules, "numpy")
+    assert not reader_module._scan_worth(262_144)
+    assert reader_module._scan_worth(reader_module._IMPORT_WORTH_STRINGS)

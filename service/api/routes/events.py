@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Header, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from service.api.deps import JobsDep
 from service.api.errors import problem
@@ -21,6 +20,9 @@ from service.api.jobs import JobManager, LoadJob
 from service.api.schemas import COMMON_PROBLEMS, problem_responses
 from service.errors import clip
 
+if TYPE_CHECKING:
+    from sse_starlette import ServerSentEvent
+
 router = APIRouter(prefix="/v1/loads", tags=["loads"], responses=COMMON_PROBLEMS)
 
 SSE_RETRY_MS = 2000
@@ -29,6 +31,13 @@ event id)."""
 
 MAX_EVENT_ID = 1 << 62
 """Largest ``Last-Event-ID`` taken; beyond it (or not a number) the stream starts anew."""
+
+
+class EventStream(Response):
+    """What ``/v1/loads/{id}/events`` answers, for the OpenAPI document (the stream itself
+    is sse-starlette's ``EventSourceResponse``, imported with the first stream)."""
+
+    media_type = "text/event-stream"
 
 
 def _accepts_sse(accept: str | None) -> bool:
@@ -50,7 +59,7 @@ def _event_id(value: str | None) -> int | None:
 @router.get(
     "/{job_id}/events",
     response_model=LoadEvent,
-    response_class=EventSourceResponse,
+    response_class=EventStream,
     responses={**problem_responses(404), 406: problem_responses(404)[404] | {"description": "No text/event-stream."}},
 )
 async def load_events(
@@ -74,10 +83,14 @@ async def load_events(
     final = hub.final_seq(job)
     if after is not None and final is not None and after >= final and hub.channel(job).replayable(after):
         return Response(status_code=204)
+    from sse_starlette import EventSourceResponse
+
     return EventSourceResponse(_sse(hub, job, after), ping=None, headers={"X-Accel-Buffering": "no"})
 
 
 async def _sse(hub: EventHub, job: LoadJob, after: int | None) -> AsyncIterator[ServerSentEvent]:
+    from sse_starlette import ServerSentEvent
+
     first = True
     async for event in hub.follow(job, after=after):
         yield ServerSentEvent(

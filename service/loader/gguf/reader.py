@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -258,6 +259,20 @@ _VECTOR_MIN_STRINGS = 4096
 """String arrays with at least this many elements that remain are scanned in blocks with
 numpy (:mod:`.strings`); shorter ones, and the tail of long ones, are walked one string
 at a time."""
+
+_IMPORT_WORTH_STRINGS = 1 << 20
+"""While numpy is not imported yet, string arrays shorter than this are walked one string
+at a time all the way: walking a million strings costs about what importing numpy does
+(a fifth of a second), so a command that reads one header (``hoist inspect`` of a model
+with a 262,144-token vocabulary) finishes sooner without it; a process that has numpy
+already (the service, a load) always scans."""
+
+
+def _scan_worth(count: int) -> bool:
+    """Whether a string array of ``count`` elements is scanned with numpy (see
+    :data:`_IMPORT_WORTH_STRINGS`)."""
+    return count >= _IMPORT_WORTH_STRINGS or "numpy" in sys.modules
+
 
 _SCAN_BLOCK_BYTES = 1 << 20
 """Bytes of one block of a vectorised string-array scan, at most."""
@@ -649,7 +664,8 @@ class _Parser:
 
     def _scan_strings(self, count: int) -> tuple[int, int]:
         """Scan blocks of a string array from the cursor while at least
-        :data:`_VECTOR_MIN_STRINGS` strings remain; returns the position and index of
+        :data:`_VECTOR_MIN_STRINGS` strings remain (none while numpy is not imported and
+        the array is shorter than :data:`_IMPORT_WORTH_STRINGS`); returns the position and index of
         the first string not scanned.
 
         A block spans at most 8 bytes per string that remains (the least those strings
@@ -657,6 +673,8 @@ class _Parser:
         limit: the bytes read are those the walk would read."""
         pos = self.pos
         done = 0
+        if not _scan_worth(count):
+            return pos, done
         end_cap = self.size if self.limit is None else min(self.size, self.limit)
         while count - done >= _VECTOR_MIN_STRINGS:
             check(self.cancel)
@@ -673,17 +691,19 @@ class _Parser:
 
     def _walk_strings(self, key: str, count: int, pos: int, first: int) -> int:
         """Walk strings ``first`` to ``count`` of the array starting at the cursor, the
-        first of them at ``pos``, one at a time; return the end of the array."""
+        first of them at ``pos``, one at a time; return the end of the array.
+
+        The inner loop runs over the strings whose length prefix is already read, at most
+        65,536 of them between checks of the cancel token, reading more when it stops."""
         data = self.data
         size = self.size
-        last = size - 8
         unpack = struct.Struct(self.endian + "Q").unpack_from
-        have = len(data) - 8
-        for i in range(first, count):
-            if not (i - first) & _CHECK_STRINGS_MASK:
-                check(self.cancel)
+        i = first
+        while i < count:
+            check(self.cancel)
+            have = len(data) - 8
             if pos > have:
-                if pos > last:
+                if pos > size - 8:
                     raise TruncatedError(
                         f"unexpected end of file inside string {i} of key '{key}'",
                         path=self.path,
@@ -692,15 +712,22 @@ class _Parser:
                     )
                 self._fill(pos + 8)
                 have = len(data) - 8
-            (length,) = unpack(data, pos)
-            if length > MAX_STRING_BYTES:
-                raise MetadataError(
-                    f"string {i} of key '{key}' is {length} bytes, more than the limit of {MAX_STRING_BYTES}",
-                    path=self.path,
-                    key=key,
-                    offset=pos,
-                )
-            pos += 8 + length
+            start = i
+            stop = min(count, start + _CHECK_STRINGS_MASK + 1)
+            for i in range(start, stop):
+                if pos > have:
+                    break
+                (length,) = unpack(data, pos)
+                if length > MAX_STRING_BYTES:
+                    raise MetadataError(
+                        f"string {i} of key '{key}' is {length} bytes, more than the limit of {MAX_STRING_BYTES}",
+                        path=self.path,
+                        key=key,
+                        offset=pos,
+                    )
+                pos += 8 + length
+            else:
+                i = stop
         if pos > size:
             raise TruncatedError(
                 f"the strings of key '{key}' run past the end of the file ({size} bytes)",
