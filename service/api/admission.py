@@ -8,12 +8,15 @@ import os
 import resource
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from service.errors import BudgetExceededError
 from service.io.meter import HOST_MEMORY
-from service.loader.devices import Device
-from service.loader.placement import Plan
-from service.loader.weights import WeightIndex
+
+if TYPE_CHECKING:
+    from service.loader.devices import Device
+    from service.loader.placement import Plan
+    from service.loader.weights import WeightIndex
 
 MiB = 1 << 20
 

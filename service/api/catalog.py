@@ -22,8 +22,7 @@ from service.cancel import CancelToken, check
 from service.errors import HoistError, RequestAbandonedError, WorkLimitError, clip
 from service.loader.file_types import file_type_name
 from service.loader.gguf import HeaderLimits
-from service.loader.gguf.reader import file_identity
-from service.loader.weights import open_model
+from service.loader.gguf.limits import file_identity
 
 MAX_DEPTH = 8
 """Directory levels below the models directory that are walked."""
@@ -171,6 +170,8 @@ class Summaries:
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
+        from service.loader.weights import open_model
+
         try:
             index = open_model(os.path.join(self.root, rel), root=self.root, cancel=cancel, limits=self.limits)
         except (RequestAbandonedError, WorkLimitError):

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.api.errors import scrub_paths
 from service.cancel import CancelToken, check
-from service.loader.placement import Plan
+
+if TYPE_CHECKING:
+    from service.loader.placement import Plan
 
 SLICE = 2048
 """Items encoded between two checks of the cancel token."""

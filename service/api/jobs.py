@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiofiles.os
 
@@ -44,12 +44,13 @@ from service.errors import (
     RequestError,
     clip,
 )
-from service.loader.devices import Device
 from service.loader.gguf import HeaderLimits
-from service.loader.model import LoadedModel
-from service.loader.pipeline import check_loadable, staging_nbytes
-from service.loader.placement import MemorySnapshot, PlacementParams, Plan, plan
-from service.loader.weights import WeightIndex, open_model
+
+if TYPE_CHECKING:  # the loader is imported with the first plan, not at start
+    from service.loader.devices import Device
+    from service.loader.model import LoadedModel
+    from service.loader.placement import PlacementParams, Plan
+    from service.loader.weights import WeightIndex
 
 __all__ = [
     "JobManager",
@@ -265,6 +266,9 @@ class JobManager:
         path = await resolve_model_path(self.models_dir, model)
 
         def work(token: CancelToken) -> Planned:
+            from service.loader.placement import MemorySnapshot, plan
+            from service.loader.weights import open_model
+
             index = open_model(path, root=self.models_dir, cancel=token, limits=self.limits.header_limits)
             params = self.params(flags)
             memory = MemorySnapshot.take(self.devices)
@@ -408,6 +412,8 @@ class JobManager:
             # refused before the planning work when nothing resident could be shared
             self.runner.check_queue()
             self._check_models()
+        from service.loader.pipeline import check_loadable, staging_nbytes
+
         planned = await self.plan_model(spec.model, spec.flags, watch=watch, capacities=True)
         check_loadable(planned.index)
         key = share_key(planned.index, planned.params, planned.plan)

@@ -19,12 +19,14 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.api.admission import Reservations
 from service.api.spec import ShareKey
 from service.errors import ConflictError, NotFoundError, clip
-from service.loader.model import LoadedModel
+
+if TYPE_CHECKING:
+    from service.loader.model import LoadedModel
 
 logger = logging.getLogger(__name__)
 

@@ -13,18 +13,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service.api.admission import Reservations
 from service.api.errors import public_error
 from service.api.events import EventHub
 from service.errors import BusyError, ConflictError, HoistError, NotFoundError, clip
-from service.loader.devices import Device
-from service.loader.model import LoadedModel, MemoryReport
-from service.loader.pipeline import LoadOptions, Progress, load_plan
-from service.loader.placement import PlacementParams, Plan
-from service.loader.weights import WeightIndex
+from service.loader.pipeline.options import LoadOptions
 from service.logs import bind_load
+
+if TYPE_CHECKING:  # the loader is imported with the first load, not at start
+    from service.loader.devices import Device
+    from service.loader.model import LoadedModel, MemoryReport
+    from service.loader.pipeline import Progress
+    from service.loader.placement import PlacementParams, Plan
+    from service.loader.weights import WeightIndex
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +156,7 @@ class LoadJob:
         return self.bytes_done / self.bytes_total if self.bytes_total else float(self.state.terminal)
 
 
-Loaded = Callable[[LoadJob, LoadedModel], None]
+Loaded = Callable[[LoadJob, "LoadedModel"], None]
 """Called on the event loop with a job whose load succeeded and what it loaded, before
 the job moves to ``succeeded``; it takes ownership of the model."""
 
@@ -272,6 +275,8 @@ class JobRunner:
         self.events.publish(job, "error")
 
     async def _run(self, job: LoadJob, index: WeightIndex) -> None:
+        from service.loader.pipeline import load_plan
+
         async with self._slots:
             if job.state is not JobState.QUEUED:
                 return

@@ -15,7 +15,7 @@ from service.api.callbacks import DEFAULT_EVENTS, CallbackSpec
 from service.api.keepalive import parse_keep_alive
 from service.api.spec import MAX_NAME, LoadSpec, PlacementFlags, check_name
 from service.errors import RequestError
-from service.loader.pipeline import LoadOptions
+from service.loader.pipeline.options import LoadOptions
 from service.loader.placement.overrides import MAX_OVERRIDES
 from service.loader.placement.params import (
     INT32_MAX,

@@ -17,7 +17,7 @@ import json
 import logging
 import resource
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -273,6 +273,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(400, "the request is not valid HTTP/1.1", "invalid_http_request")
 
 
+def websocket_protocol(**kwargs: Any) -> asyncio.Protocol:
+    """uvicorn's sans-I/O ``websockets`` protocol for a connection being upgraded (made
+    with uvicorn's keyword arguments); the library is imported with the first websocket,
+    not when the server starts."""
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    return WebSocketsSansIOProtocol(**kwargs)
+
+
 def guarded_protocol(settings: Settings) -> type[GuardedHttpToolsProtocol]:
     """:class:`GuardedHttpToolsProtocol` with the limits of ``settings``."""
     return type(
@@ -304,8 +313,9 @@ def server_config(app: Any, settings: Settings, *, host: str, port: int, log_lev
         log_config=log_config(settings.log_format, log_level),
         timeout_keep_alive=KEEP_ALIVE_S,
         # websockets (the events of a load): small messages from clients, pings to find
-        # the ones that went away or stopped reading
-        ws="websockets-sansio",
+        # the ones that went away or stopped reading; uvicorn calls what it is given
+        # with the connection's arguments, as it would a protocol class
+        ws=cast(type[asyncio.Protocol], websocket_protocol),
         ws_max_size=WS_MAX_MESSAGE_BYTES,
         ws_ping_interval=WS_PING_S,
         ws_ping_timeout=WS_PING_S,

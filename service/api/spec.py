@@ -7,13 +7,15 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.api.callbacks import CallbackSpec
 from service.errors import RequestError, clip
-from service.loader.pipeline import LoadOptions
-from service.loader.placement import PlacementParams, Plan, make_params
-from service.loader.weights import WeightIndex
+from service.loader.pipeline.options import LoadOptions
+
+if TYPE_CHECKING:
+    from service.loader.placement import PlacementParams, Plan
+    from service.loader.weights import WeightIndex
 
 MAX_NAME = 256
 """Longest model name, in characters."""
@@ -83,6 +85,8 @@ class PlacementFlags:
 
     def params(self, buffer_types: Sequence[str]) -> PlacementParams:
         """The placement parameters. Raises RequestError or PlacementError."""
+        from service.loader.placement.params import make_params
+
         return make_params(
             buffer_types,
             n_gpu_layers=self.n_gpu_layers,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Literal
 
 from service.io import libc
+
+if TYPE_CHECKING:  # imported by the first buffer: the arithmetic here is needed without it
+    import numpy as np
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -80,6 +81,8 @@ def aligned_empty(
     The array owns its memory (through its base); it is freed when the last view of it
     goes away.
     """
+    import numpy as np
+
     raw = np.empty(nbytes + alignment, dtype=np.uint8)  # fresh pages, untouched
     shift = (-raw.ctypes.data) % alignment
     out = raw[shift : shift + nbytes]

@@ -316,12 +316,13 @@ def test_an_abandoned_request_stops_its_work(
 ) -> None:
     import threading
 
-    from service.api import jobs as jobs_module
     from service.cancel import CancelToken
     from service.errors import RequestAbandonedError
 
     _many_kv_model(models_dir / "m.gguf", 1)
-    real_open = jobs_module.open_model
+    from service.loader import weights  # the job manager imports open_model from it when it plans
+
+    real_open = weights.open_model
     seen: dict[str, Any] = {}
     stopped = threading.Event()
 
@@ -337,7 +338,7 @@ def test_an_abandoned_request_stops_its_work(
             raise
         return real_open(path, cancel=cancel, **kwargs)
 
-    monkeypatch.setattr(jobs_module, "open_model", endless)
+    monkeypatch.setattr(weights, "open_model", endless)
     with httpx.Client(base_url=live_server) as client, pytest.raises(httpx.ReadTimeout):
         client.post("/v1/plans", json={"model": "m.gguf"}, timeout=0.5)
     assert stopped.wait(5), "the work went on after its client left"

@@ -167,7 +167,6 @@ async def test_loads_beyond_the_mapping_limit_are_refused_at_submit(tmp_path: Pa
 async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.api import runner
     from service.api.admission import DESCRIPTORS
     from service.errors import BudgetExceededError
     from service.loader.pipeline.options import LoadOptions
@@ -176,13 +175,15 @@ async def test_loads_beyond_the_descriptor_limit_are_refused_at_submit(
     jobs = JobManager(str(models), [CPUDevice()], Limits())
     jobs.reservations.descriptor_capacity = 3
     go = asyncio.Event()
-    real = runner.load_plan
+    from service.loader import pipeline  # the job runner imports load_plan from it when a load starts
+
+    real = pipeline.load_plan
 
     async def held(*args: Any, **kwargs: Any) -> Any:  # the first load runs until told
         await go.wait()
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "load_plan", held)
+    monkeypatch.setattr(pipeline, "load_plan", held)
     try:
         checked = LoadOptions(check_tensors=True)
         first = await jobs.submit(LoadSpec.of("m.gguf", name="a", options=checked, load_mode="none"))

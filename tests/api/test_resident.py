@@ -101,17 +101,17 @@ def test_models_are_listed_in_pages_without_their_report(limited_server: str) ->
 
 
 async def test_only_queued_running_and_resident_loads_count(models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.api import runner as runner_module
+    from service.loader import pipeline  # the job runner imports load_plan from it when a load starts
 
     _empty_model(models_dir / "empty.gguf")
     go = asyncio.Event()
-    real = runner_module.load_plan
+    real = pipeline.load_plan
 
     async def held(*args: Any, **kwargs: Any) -> Any:
         await go.wait()
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(runner_module, "load_plan", held)
+    monkeypatch.setattr(pipeline, "load_plan", held)
     jobs = JobManager(str(models_dir), [CPUDevice()], Limits(max_resident_models=LIMIT))
     try:
         first = [await jobs.submit(LoadSpec.of("empty.gguf", name=f"m{i}")) for i in range(LIMIT)]

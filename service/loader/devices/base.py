@@ -6,12 +6,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from service.io.meter import HOST_MEMORY, MemoryMeter
-from service.io.touch import TouchAhead, host_array
+
+if TYPE_CHECKING:  # numpy is imported with the first buffer, not with the devices
+    import numpy as np
+
+    from service.io.touch import TouchAhead
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +209,8 @@ class HostBuffer(ArrayBuffer):
     helper thread while it is filled)."""
 
     def __init__(self, buffer_type: BufferType, nbytes: int) -> None:
+        from service.io.touch import host_array
+
         data, toucher = host_array(nbytes)
         self._toucher: TouchAhead | None = toucher
         super().__init__(buffer_type, data)

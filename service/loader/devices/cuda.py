@@ -8,9 +8,7 @@ asked for, so hoist runs without it.
 from __future__ import annotations
 
 import warnings
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from service.errors import OutOfMemoryError
 from service.loader.devices.base import (
@@ -23,6 +21,9 @@ from service.loader.devices.base import (
     Event,
     Stream,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 CUDA_HOST_BUFFER_TYPE_NAME = "CUDA_Host"
 
@@ -48,6 +49,8 @@ class CUDABuffer(DeviceBuffer):
         return self._tensor
 
     def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        import numpy as np
+
         torch = _torch()
         with warnings.catch_warnings():
             # a read-only view of a file mapping is only read here

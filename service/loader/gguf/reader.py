@@ -54,6 +54,8 @@ from service.loader.gguf.constants import (
     SUPPORTED_VERSIONS,
     GGUFValueType,
 )
+from service.loader.gguf.limits import HeaderLimits as HeaderLimits  # re-exported
+from service.loader.gguf.limits import file_identity as file_identity
 from service.loader.gguf.strings import chain_in_block
 from service.loader.gguf.values import GGUFArray, GGUFFloat, GGUFString
 
@@ -220,30 +222,6 @@ def read_gguf(
         return replace(parsed, identity=file_identity(st))
     finally:
         os.close(fd)
-
-
-def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """(device, inode, size, mtime in ns): what changes when a file is replaced or
-    rewritten."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-@dataclass(frozen=True, slots=True)
-class HeaderLimits:
-    """Bounds on one file's header, beyond ``gguf.cpp``'s own (None: no bound).
-
-    Attributes:
-        max_bytes: header bytes (everything before the data section) read at most.
-        max_kv: KV pairs at most.
-        max_tensors: tensor infos at most.
-        max_splits: files of a split model at most (all of them are open at once while
-            it loads).
-    """
-
-    max_bytes: int | None = None
-    max_kv: int | None = None
-    max_tensors: int | None = None
-    max_splits: int | None = None
 
 
 _LFS_PREFIX = b"version https://git-lfs"
