@@ -163,6 +163,15 @@ class DirectFile:
             dest[done : done + n] = bounce[head : head + n].data
             done += n
 
+    def read_buffered(self, dest: memoryview, offset: int, *, tensor: str | None = None) -> None:
+        """Fill ``dest`` with the bytes at ``offset`` through the page cache (beside the
+        direct reads, see :attr:`buffered_fd`).
+
+        Raises:
+            StorageError: a read failed or the file ended first.
+        """
+        pread_into(self.buffered_fd, dest, offset, path=self.path, tensor=tensor)
+
     def close(self) -> None:
         """Close the file. Idempotent."""
         if self._buffered_fd >= 0:

@@ -45,16 +45,6 @@ def trusted(fd: int) -> bool:
         return False
 
 
-def trusted_path(path: str) -> bool:
-    """As :func:`trusted`, for the file at ``path``."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    euid = os.geteuid()
-    return euid == 0 or st.st_uid == euid or os.access(path, os.W_OK)
-
-
 def _probe(addr: int, nbytes: int) -> np.ndarray[tuple[int], np.dtype[np.bool_]]:
     pages = (nbytes + PAGE_SIZE - 1) // PAGE_SIZE
     vec = np.zeros(pages, dtype=np.uint8)

@@ -204,6 +204,7 @@ async def load_plan(
             placement.load_mode is LoadMode.DIRECT_IO,
             on_progress,
             [t.device for t in placement.tensors],
+            _data_ranges(index, placement),
         )
         for mapping in res.mappings.values():
             how = mapping.changed()
@@ -236,6 +237,17 @@ async def load_plan(
         stats=stats,
         mappings=list(res.mappings.values()),
     )
+
+
+def _data_ranges(index: WeightIndex, placement: Plan) -> dict[int, tuple[str, int, int]]:
+    """File index -> (path, first byte, end) of the tensor data the load brings in."""
+    out: dict[int, tuple[str, int, int]] = {}
+    for t in placement.tensors:
+        if t.lazy or not t.nbytes:
+            continue
+        path, lo, hi = out.get(t.file_index, (index.files[t.file_index].path, t.offset, t.offset + t.nbytes))
+        out[t.file_index] = (path, min(lo, t.offset), max(hi, t.offset + t.nbytes))
+    return out
 
 
 def _finish_load(

@@ -31,10 +31,13 @@ async def run_loader(
     direct: bool,
     on_progress: ProgressCallback | None,
     device_of: Sequence[str],
+    data_ranges: dict[int, tuple[str, int, int]] | None = None,
 ) -> tuple[WorkerStats, dict[str, Any]]:
     """On a loader thread, ``prepare`` (map, allocate, lock: blocking work that stays off
     the event loop) then run the jobs it put in ``res``; returns the loader's stats and
-    the invalid tensors.
+    the invalid tensors. ``data_ranges`` (file index -> path, first byte, end of the data
+    the load brings in) are probed for page-cache residency first, before mapping and
+    allocating start any read-ahead.
 
     Raises:
         LoadCancelledError: the callback asked to stop.
@@ -73,6 +76,8 @@ async def run_loader(
         error: BaseException | None = None
         started = time.perf_counter()
         try:
+            for file_index, (path, lo, hi) in (data_ranges or {}).items():
+                worker.files.take_residency(file_index, path, lo, hi)
             worker.stats.clocks["touch"].start()
             try:
                 prepare()

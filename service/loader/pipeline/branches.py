@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.errors import StorageError
-from service.io import residency
-from service.io.align import PAGE_SIZE, align_down, align_up, aligned_empty
+from service.io.align import aligned_empty
 from service.io.staging import FutureWaitable
 from service.loader.pipeline.extents import Extent
 
@@ -74,18 +73,8 @@ class Mapped(Handler):
         lo, hi = extent.lo, extent.hi
         if hi <= lo:
             return
-        if self.load.trusted_path(job.path):
-            try:
-                pages = residency.resident_in_mapping(mapping.addr, lo, hi - lo)
-            except OSError:
-                self.load.stats.count_source(0, 0, extent.nbytes)
-            else:
-                cached = sum(
-                    residency.resident_bytes(_pages_of(pages, lo, p.lo, p.hi), p.lo, p.hi - p.lo) for p in extent.pieces
-                )
-                self.load.stats.count_source(cached, extent.nbytes - cached)
-        else:
-            self.load.stats.count_source(0, 0, extent.nbytes)
+        for piece in extent.pieces:
+            self.load.files.count(piece.job.file_index, piece.lo, piece.hi, buffered=True)
         try:
             mapping.populate(lo, hi - lo)
         except StorageError as exc:
@@ -101,12 +90,6 @@ class Mapped(Handler):
             warning = lock.grow_to(extent.hi)
             if warning:
                 self.load.stats.notices.append(warning)
-
-
-def _pages_of(pages: np.ndarray[Any, Any], lo: int, p_lo: int, p_hi: int) -> np.ndarray[Any, Any]:
-    """The part of ``pages`` (from the page of ``lo``) covering ``[p_lo, p_hi)``."""
-    first = align_down(lo, PAGE_SIZE) // PAGE_SIZE
-    return pages[align_down(p_lo, PAGE_SIZE) // PAGE_SIZE - first : align_up(p_hi, PAGE_SIZE) // PAGE_SIZE - first]
 
 
 class Lazy(Handler):

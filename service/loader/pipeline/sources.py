@@ -15,13 +15,16 @@ from service.errors import StorageError
 from service.io import residency
 from service.io.align import PAGE_SIZE, align_down, align_up, aligned_empty
 from service.io.direct import DirectFile
-from service.io.file import open_readonly, pread_into
+from service.io.file import open_readonly
 from service.loader.pipeline.layout import TensorJob, check_identity
 from service.loader.pipeline.routing import Segment, route
 from service.loader.pipeline.stats import WorkerStats
 
 BOUNCE_NBYTES = 4 << 20
 """Payload of the per-thread buffer that direct reads into unaligned memory go through."""
+
+PROBE_STEP = 1 << 30
+"""Bytes of a file probed for residency at once."""
 
 Identity = tuple[int, int, int, int]
 
@@ -51,6 +54,7 @@ class SourceFiles:
         self._trusted: dict[int, bool] = {}
         self._bounces: dict[int, np.ndarray[Any, np.dtype[np.uint8]]] = {}
         self._lock = threading.Lock()
+        self._before: dict[int, tuple[int, np.ndarray[Any, Any]]] = {}
 
     def open(self, job: TensorJob) -> DirectFile:
         """The file of ``job``, opened on first use (on the coordinating thread).
@@ -83,6 +87,47 @@ class SourceFiles:
             opened = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             check_identity(job.path, self.identities.get(job.file_index, (0, 0, 0, 0)), opened)
         return fd
+
+    def take_residency(self, file_index: int, path: str, lo: int, hi: int) -> None:
+        """Note which pages of ``[lo, hi)`` of the file are in the page cache now, before
+        the load reads them (its own reads and read-ahead bring more in): the bytes
+        counted as from the cache are those resident here. Nothing is noted when the
+        kernel does not tell (the bytes are then counted as unprobed).
+
+        Raises:
+            StorageError: the file cannot be opened.
+        """
+        if hi <= lo:
+            return
+        fd = open_readonly(path)
+        try:
+            if not residency.trusted(fd):
+                return
+            parts = []
+            for start in range(align_down(lo, PAGE_SIZE), hi, PROBE_STEP):
+                end = min(start + PROBE_STEP, hi)
+                parts.append(residency.resident_pages(fd, start, end - start))
+        except (OSError, ValueError):
+            return
+        finally:
+            os.close(fd)
+        self._before[file_index] = (align_down(lo, PAGE_SIZE) // PAGE_SIZE, np.concatenate(parts))
+
+    def count(self, file_index: int, lo: int, hi: int, *, buffered: bool) -> None:
+        """Count ``[lo, hi)`` of the file as read: from the cache for the pages that were
+        resident before the load when read ``buffered`` (or faulted in), else from disk."""
+        if hi <= lo:
+            return
+        if not buffered:
+            self.stats.count_source(0, hi - lo)
+            return
+        before = self._before.get(file_index)
+        if before is None:
+            self.stats.count_source(0, 0, hi - lo)
+            return
+        first, pages = before
+        cache = residency.resident_bytes(_sub(pages, first, lo, hi), lo, hi - lo)
+        self.stats.count_source(cache, hi - lo - cache)
 
     # -- reads (on reader threads) --------------------------------------------------------
 
@@ -125,18 +170,17 @@ class SourceFiles:
         f = self.files[job.file_index]
         a = f.alignment
         r_lo, r_hi = (align_down(lo, a), align_up(hi, a)) if f.direct else (lo, hi)
-        pages = self._pages(job.file_index, f, r_lo, r_hi)
-        first = align_down(r_lo, PAGE_SIZE) // PAGE_SIZE
         if not f.direct:
-            self._count(pages, first, lo, hi, buffered=True)
-            pread_into(f.fd, target[lo - base : hi - base].data, lo, path=f.path, tensor=job.name)
+            self.count(job.file_index, lo, hi, buffered=True)
+            f.read_buffered(target[lo - base : hi - base].data, lo, tensor=job.name)
             return
+        pages = self._pages(job.file_index, f, r_lo, r_hi)
         segments = route(pages, r_lo, r_hi, a) if pages is not None else [Segment(r_lo, r_hi, False)]
         for seg in segments:
             p_lo, p_hi = max(seg.lo, lo), min(seg.hi, hi)
-            self._count(pages, first, p_lo, p_hi, buffered=seg.buffered)
+            self.count(job.file_index, p_lo, p_hi, buffered=seg.buffered)
             if seg.buffered:
-                pread_into(f.buffered_fd, target[p_lo - base : p_hi - base].data, p_lo, path=f.path, tensor=job.name)
+                f.read_buffered(target[p_lo - base : p_hi - base].data, p_lo, tensor=job.name)
             elif aligned and f.direct:
                 got = f.read_aligned(target[seg.lo - base : seg.hi - base].data, seg.lo)
                 if got < p_hi - seg.lo:
@@ -152,17 +196,6 @@ class SourceFiles:
                     f.read_into(target[p_lo - base : p_hi - base].data, p_lo, bounce)
                 except StorageError as exc:
                     raise StorageError(exc.message, path=exc.path, offset=exc.offset, tensor=job.name) from exc
-
-    def _count(self, pages: np.ndarray[Any, Any] | None, first: int, lo: int, hi: int, *, buffered: bool) -> None:
-        if hi <= lo:
-            return
-        if not buffered:
-            self.stats.count_source(0, hi - lo)
-        elif pages is None:
-            self.stats.count_source(0, 0, hi - lo)
-        else:
-            cache = residency.resident_bytes(_sub(pages, first, lo, hi), lo, hi - lo)
-            self.stats.count_source(cache, hi - lo - cache)
 
     # -- the end --------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
-from service.io import residency
 from service.loader.devices import Device
 from service.loader.pipeline.branches import BRANCHES, CANCELLED, Handler
 from service.loader.pipeline.extents import Extent, ExtentLimits, plan_extents
@@ -138,7 +137,6 @@ class Worker:
         )
         self.uploaders: dict[str, Uploader] = {}
         self.handlers: dict[str, Handler] = {}
-        self._trusted: dict[str, bool] = {}
 
     # -- what handlers use ------------------------------------------------------------------
 
@@ -162,13 +160,6 @@ class Worker:
             up = Uploader(device, self.options.staging_buffers, size, alignment, self.stats.clocks["upload"])
             self.uploaders[device.name] = up
         return up
-
-    def trusted_path(self, path: str) -> bool:
-        """Whether ``mincore`` tells the page cache of the file at ``path``."""
-        trusted = self._trusted.get(path)
-        if trusted is None:
-            trusted = self._trusted[path] = residency.trusted_path(path)
-        return trusted
 
     # -- the whole load ---------------------------------------------------------------------
 
