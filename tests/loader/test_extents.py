@@ -72,10 +72,10 @@ def layouts(draw: Any) -> tuple[list[TensorJob], ExtentLimits, dict[int, int]]:
 
 
 def _dest_of(job: TensorJob) -> tuple[Any, ...]:
-    return (job.branch, id(job.mapping), id(job.dest), id(job.device), job.in_place)
+    return (job.branch, id(job.mapping), id(job.dest), id(job.device), job.branch == "read" and job.in_place)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(layouts())
 def test_every_tensor_byte_is_in_exactly_one_piece(
     layout: tuple[list[TensorJob], ExtentLimits, dict[int, int]],
@@ -99,7 +99,7 @@ def test_every_tensor_byte_is_in_exactly_one_piece(
     assert order == sorted(order)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(layouts())
 def test_each_extent_has_one_destination_and_fits_it(
     layout: tuple[list[TensorJob], ExtentLimits, dict[int, int]],
@@ -116,6 +116,10 @@ def test_each_extent_has_one_destination_and_fits_it(
                 assert p.job.dest_offset + (p.lo - p.job.offset) == e.dest_offset + (p.lo - e.lo)
         if e.branch in ("sync", "lazy"):
             assert len({p.job.index for p in e.pieces}) == 1
+        if e.lo == e.hi:  # zero-byte tensors alone: nothing to read
+            assert (e.read_lo, e.read_hi) == (e.lo, e.hi) and not e.aligned
+            assert all(p.lo == p.hi for p in e.pieces)
+            continue
         if e.aligned:
             assert a > 1 and e.read_lo % a == 0 and e.read_hi % a == 0
             assert e.read_lo == align_down(e.lo, a) and e.read_hi == align_up(e.hi, a)

@@ -115,7 +115,8 @@ def _joins(prev: TensorJob, job: TensorJob) -> bool:
         gap = job.offset - (prev.offset + prev.nbytes)
         return prev.mapping is job.mapping and prev.lock is job.lock and 0 <= gap < RUN_ALIGNMENT
     same_dest = prev.dest is job.dest and prev.in_place == job.in_place and prev.device is job.device
-    return same_dest and job.offset - prev.offset == job.dest_offset - prev.dest_offset > 0
+    delta = job.offset - prev.offset
+    return same_dest and delta == job.dest_offset - prev.dest_offset and (delta > 0 or prev.nbytes == 0)
 
 
 def groups(jobs: Sequence[TensorJob]) -> list[list[TensorJob]]:
@@ -198,8 +199,8 @@ def _extents_of(group: Sequence[TensorJob], alignment: int, limits: ExtentLimits
                 skip += 1
             if skip < len(group) and group[skip].offset > pos:
                 pos = group[skip].offset
-        if not bounds:
-            bounds = [(begin, end)]
+        if not bounds or bounds[-1][1] < end:
+            bounds.append((end, end))  # a zero-byte tensor after the last gap
     out: list[Extent] = []
     j = 0
     for n, (lo, hi) in enumerate(bounds):
@@ -220,8 +221,9 @@ def _extents_of(group: Sequence[TensorJob], alignment: int, limits: ExtentLimits
             if job_end > hi:
                 break
             j += 1
-        read_lo, read_hi = (align_down(lo, alignment), align_up(hi, alignment)) if aligned_reads else (lo, hi)
-        out.append(Extent(branch, first.file_index, lo, hi, read_lo, read_hi, tuple(pieces), aligned_reads))
+        aligned = aligned_reads and hi > lo  # nothing is read for zero-byte tensors alone
+        read_lo, read_hi = (align_down(lo, alignment), align_up(hi, alignment)) if aligned else (lo, hi)
+        out.append(Extent(branch, first.file_index, lo, hi, read_lo, read_hi, tuple(pieces), aligned))
     return out
 
 
