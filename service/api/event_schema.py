@@ -59,7 +59,10 @@ class ReportOut(BaseModel):
     memory_summary: dict[str, Any] | None = Field(description="Bytes per device and buffer type, total, buffers.")
     memory: dict[str, Any] | None = Field(description="The memory report (as in ``GET /v1/loads/{id}``).")
     plan_lines: list[str] = Field(description="llama.cpp's offload lines of the plan.")
-    stats: dict[str, Any] | None = Field(description="How the bytes came in (per branch, retries, ...).")
+    stats: dict[str, Any] | None = Field(
+        description="How the bytes came in (per branch, from the page cache and from disk, busy time per stage, the "
+        "bounding stage)."
+    )
 
 
 class SnapshotEvent(EventBase):

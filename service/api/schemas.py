@@ -258,7 +258,12 @@ class LoadJobListed(BaseModel):
         "at /v1/loads/{id}/plan."
     )
     warnings: list[str] = Field(default_factory=list, description="mlock limits, direct I/O fallbacks, ...")
-    stats: dict[str, Any] | None = Field(default=None, description="How the bytes moved, once succeeded.")
+    stats: dict[str, Any] | None = Field(
+        default=None,
+        description="How the bytes moved, once succeeded: bytes per branch, staging pools, bytes_from_cache and "
+        "bytes_from_disk, reads_in_flight, busy time and throughput per stage (touch, read, upload, validate) and "
+        "the bound (the stage busy longest).",
+    )
     error: dict[str, Any] | None = None
     memory_summary: MemorySummaryOut | None = Field(
         default=None, description="Once succeeded (kept once the model is unloaded)."

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,9 @@ class DirectFile:
         self.fallback: str | None = None
         self.alignment = 1
         self.fd = -1
+        self._buffered_fd = -1
+        self._retired: list[int] = []
+        self._lock = threading.Lock()
         if direct:
             try:
                 self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_DIRECT)
@@ -69,11 +73,33 @@ class DirectFile:
         """True while reads bypass the page cache."""
         return self.alignment > 1
 
+    @property
+    def buffered_fd(self) -> int:
+        """A second descriptor of the file, for buffered reads (the page cache) beside
+        the direct ones; the direct descriptor itself when reads are buffered anyway.
+        Opened on first use, closed with the file.
+
+        Raises:
+            StorageError: the file cannot be opened again.
+        """
+        if not self.direct:
+            return self.fd
+        with self._lock:
+            if self._buffered_fd < 0:
+                self._buffered_fd = open_readonly(self.path)
+            return self._buffered_fd
+
     def _to_buffered(self, reason: str) -> None:
-        os.close(self.fd)
-        self.fd = open_readonly(self.path)
-        self.alignment = 1
-        self.fallback = f"{reason}; using buffered reads"
+        with self._lock:
+            if not self.direct:
+                return  # another reader switched already
+            # the direct descriptor stays open until close(): reads in flight on other
+            # threads may still use it
+            self._retired.append(self.fd)
+            self.fd = self._buffered_fd if self._buffered_fd >= 0 else open_readonly(self.path)
+            self._buffered_fd = -1
+            self.alignment = 1
+            self.fallback = f"{reason}; using buffered reads"
 
     def read_aligned(self, dest: memoryview, offset: int) -> int:
         """Read ``len(dest)`` bytes at ``offset`` into ``dest`` (all aligned to
@@ -137,8 +163,22 @@ class DirectFile:
             dest[done : done + n] = bounce[head : head + n].data
             done += n
 
+    def read_buffered(self, dest: memoryview, offset: int, *, tensor: str | None = None) -> None:
+        """Fill ``dest`` with the bytes at ``offset`` through the page cache (beside the
+        direct reads, see :attr:`buffered_fd`).
+
+        Raises:
+            StorageError: a read failed or the file ended first.
+        """
+        pread_into(self.buffered_fd, dest, offset, path=self.path, tensor=tensor)
+
     def close(self) -> None:
         """Close the file. Idempotent."""
+        if self._buffered_fd >= 0:
+            os.close(self._buffered_fd)
+            self._buffered_fd = -1
+        while self._retired:
+            os.close(self._retired.pop())
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -86,24 +86,50 @@ class StagingPool(Generic[B]):
     def _in_flight(self) -> int:
         return sum(1 for pending in self._pending if any(not w.query() for w in pending))
 
-    def acquire(self) -> tuple[int, B]:
+    def acquire(self, timeout: float | None = None) -> tuple[int, B]:
         """The next buffer in rotation, after everything recorded on it has completed
-        (errors of that work are raised here). Returns ``(index, buffer)``."""
+        (errors of that work are raised here). Returns ``(index, buffer)``.
+
+        Args:
+            timeout: the most seconds to wait for the buffer's work (None: no limit).
+
+        Raises:
+            TimeoutError: the work is still running after ``timeout`` seconds; the
+                rotation stays where it was, so the next call asks for the same buffer.
+        """
         i = self._next
-        self._next = (i + 1) % len(self.buffers)
         pending = self._pending[i]
         if pending:
             busy = any(not w.query() for w in pending)
             started = time.perf_counter()
             try:
+                if busy and timeout is not None:
+                    self._wait(pending, started + timeout)
                 for w in pending:
                     w.synchronize()
-            finally:
+            except TimeoutError:
+                self._wait_seconds += time.perf_counter() - started
+                raise
+            except BaseException:
                 pending.clear()
-                if busy:
-                    self._waits += 1
-                    self._wait_seconds += time.perf_counter() - started
+                raise
+            pending.clear()
+            if busy:
+                self._waits += 1
+                self._wait_seconds += time.perf_counter() - started
+        self._next = (i + 1) % len(self.buffers)
         return i, self.buffers[i]
+
+    @staticmethod
+    def _wait(pending: list[Waitable], deadline: float) -> None:
+        """Poll ``pending`` until all of it completed; TimeoutError after ``deadline``."""
+        pause = 2e-5
+        while not all(w.query() for w in pending):
+            now = time.perf_counter()
+            if now >= deadline:
+                raise TimeoutError("staging buffer still in use")
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 1e-3)
 
     def record(self, index: int, *work: Waitable) -> None:
         """Record work that reads buffer ``index``; it is reused only after ``work``."""

@@ -129,7 +129,9 @@ class LoadedModel:
             weight on a device (models without ``output.weight``), if any.
         report: the memory report.
         warnings: what the user should know (mlock limits, direct I/O fallbacks, ...).
-        stats: how the bytes moved (bytes per branch, staging pools, direct I/O).
+        stats: how the bytes moved (:class:`~service.loader.pipeline.stats.WorkerStats`: bytes
+            per branch, staging pools, direct I/O, bytes from the page cache and from disk,
+            busy time per stage and the stage that bounded the load).
     """
 
     def __init__(

@@ -61,3 +61,18 @@ def test_errors_surface_on_reuse_and_drain() -> None:
 def test_empty_pool_is_refused() -> None:
     with pytest.raises(ValueError):
         StagingPool([])
+
+
+def test_acquire_times_out_and_keeps_its_place() -> None:
+    pool = StagingPool(["a", "b"])
+    first, _ = pool.acquire()
+    pool.record(first, Slow(0.3))
+    second, _ = pool.acquire()
+    assert second != first
+    started = time.perf_counter()
+    with pytest.raises(TimeoutError):
+        pool.acquire(timeout=0.02)  # buffer "a" is still being read by its slow work
+    assert time.perf_counter() - started < 0.25
+    # the rotation did not move: the next call waits for the same buffer and gets it
+    assert pool.acquire(timeout=5) == (first, "a")
+    assert pool.stats().waits == 1

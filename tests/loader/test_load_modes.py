@@ -299,9 +299,9 @@ def test_cancel_at_many_points(tmp_path: Path, setup: str, mode: str, when: int)
 
 
 def test_cancel_the_task_during_slow_uploads_and_validation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.loader.pipeline import worker
+    from service.loader.pipeline import validation
 
-    real = worker.validate_row_data
+    real = validation.validate_row_data
     validating = threading.Event()
 
     def slow_validate(ggml_type: str, data: Any) -> Any:
@@ -309,7 +309,7 @@ def test_cancel_the_task_during_slow_uploads_and_validation(tmp_path: Path, monk
         threading.Event().wait(0.05)
         return real(ggml_type, data)
 
-    monkeypatch.setattr(worker, "validate_row_data", slow_validate)
+    monkeypatch.setattr(validation, "validate_row_data", slow_validate)
     path = write_model(tmp_path / "m.gguf", valid_tensors(7, big=True))
     devs = discover_devices("EMU0=64MiB:bandwidth=2MB,EMU1=64MiB:bandwidth=2MB", cuda=False)
     params = make_params(["CPU", "EMU0", "EMU1"], load_mode="none", n_gpu_layers="all")
@@ -330,7 +330,7 @@ def test_cancel_the_task_during_slow_uploads_and_validation(tmp_path: Path, monk
 def test_validation_of_mapped_data_never_faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file that shrinks under a load with check-tensors gives an error, not SIGBUS."""
     from service.errors import StorageError
-    from service.loader.pipeline import layout, worker
+    from service.loader.pipeline import layout, sources, worker
 
     tensors = valid_tensors(8)
     rng = np.random.default_rng(8)
@@ -340,7 +340,7 @@ def test_validation_of_mapped_data_never_faults(tmp_path: Path, monkeypatch: pyt
     # the file shrinks once it is mapped, before the loader reads: let it through the
     # identity checks, the data side must still hold
     monkeypatch.setattr(layout, "check_identity", lambda *a: None)
-    monkeypatch.setattr(worker, "check_identity", lambda *a: None)
+    monkeypatch.setattr(sources, "check_identity", lambda *a: None)
     real_work = worker.Worker._work
 
     def shrink_then_work(self: worker.Worker) -> None:

@@ -3,7 +3,8 @@
 
 ``load_model`` plans, checks the plan against the devices' free memory, maps the files
 and allocates the buffers (:mod:`.layout`), then runs the tensor jobs on one loader
-thread (:mod:`.worker`) while the event loop receives progress. Cancelling the awaiting
+thread (:mod:`.worker`: extents, reader tasks, staging pools, uploaders, validators)
+while the event loop receives progress (:mod:`.boundary`). Cancelling the awaiting
 task, or returning ``False`` from the progress callback, stops the loader at the next
 chunk; every buffer, mapping, lock, staging buffer, thread and file descriptor the load
 took is released before the error propagates.
@@ -18,19 +19,18 @@ chosen device cannot use mapped memory). Lazy tensors are mapped whatever the mo
 from __future__ import annotations
 
 import asyncio
-import threading
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from service.errors import BudgetExceededError, ByteOrderError, InvalidDataError, LoadCancelledError, StorageError
+from service.errors import BudgetExceededError, ByteOrderError, InvalidDataError, StorageError
 from service.io.mapping import Mapping
 from service.loader.devices import MAPPED_BUFFER_NAME, CPUDevice, Device
 from service.loader.ggml_types import GGML_TYPES_BY_NAME, numpy_dtype, numpy_shape
 from service.loader.model import BufferInfo, LoadedModel, LoadedTensor, MemoryReport
+from service.loader.pipeline.boundary import run_loader
 from service.loader.pipeline.layout import Resources, build
 from service.loader.pipeline.options import (
     DEFAULT_CHUNK_NBYTES,
@@ -39,7 +39,6 @@ from service.loader.pipeline.options import (
     Progress,
     ProgressCallback,
 )
-from service.loader.pipeline.worker import Worker, WorkerStats
 from service.loader.placement import LoadMode, MemorySnapshot, PlacementParams, Plan, TensorPlacement, plan
 from service.loader.weights import WeightIndex
 
@@ -196,7 +195,7 @@ async def load_plan(
     options = options or LoadOptions()
     res = Resources()
     try:
-        stats, invalid = await _run_worker(
+        stats, invalid = await run_loader(
             lambda: build(index, placement, devices, res),
             {i: f.identity for i, f in enumerate(index.files)},
             res,
@@ -205,6 +204,7 @@ async def load_plan(
             placement.load_mode is LoadMode.DIRECT_IO,
             on_progress,
             [t.device for t in placement.tensors],
+            _data_ranges(index, placement),
         )
         for mapping in res.mappings.values():
             how = mapping.changed()
@@ -239,105 +239,15 @@ async def load_plan(
     )
 
 
-async def _run_worker(
-    prepare: Callable[[], None],
-    identities: dict[int, tuple[int, int, int, int]],
-    res: Resources,
-    total: int,
-    options: LoadOptions,
-    direct: bool,
-    on_progress: ProgressCallback | None,
-    device_of: Sequence[str],
-) -> tuple[WorkerStats, dict[str, Any]]:
-    """On a loader thread, ``prepare`` (map, allocate, lock: blocking work that stays off
-    the event loop) then run the jobs it put in ``res``; returns the loader's stats and
-    the invalid tensors.
-
-    Raises:
-        LoadCancelledError: the callback asked to stop.
-        asyncio.CancelledError: the awaiting task was cancelled; the loader is told to stop
-            and awaited first, so nothing is released while it still runs.
-    """
-    loop = asyncio.get_running_loop()
-    cancel = threading.Event()
-    done_future: asyncio.Future[None] = loop.create_future()
-    state = {"done": 0, "by_callback": False}
-    by_device = dict.fromkeys(device_of, 0)
-
-    def deliver(n: int, index: int) -> None:
-        state["done"] += n
-        by_device[device_of[index]] += n
-        if on_progress is not None and not cancel.is_set():
-            if on_progress(Progress(state["done"], total, dict(by_device))) is False:
-                state["by_callback"] = True
-                cancel.set()
-
-    def report(n: int, index: int) -> None:
-        if n:
-            loop.call_soon_threadsafe(deliver, n, index)
-
-    worker = Worker(res.jobs, options, direct=direct, cancel=cancel, report=report, identities=identities)
-
-    def finish(exc: BaseException | None) -> None:
-        if done_future.done():
-            return
-        if exc is None:
-            done_future.set_result(None)
-        else:
-            done_future.set_exception(exc)
-
-    def body() -> None:
-        error: BaseException | None = None
-        try:
-            prepare()
-            worker.jobs = res.jobs
-            if not cancel.is_set():
-                worker.run()
-        except BaseException as exc:  # handed to the awaiting task
-            # the frames of the traceback hold views of the load's buffers: drop their
-            # locals now, so that the buffers go when they are freed, not when a garbage
-            # collection happens to break the traceback's reference cycles
-            _clear_frames(exc)
-            error = exc
-        loop.call_soon_threadsafe(finish, error)
-        error = None
-
-    if on_progress is not None and on_progress(Progress(0, total, dict(by_device))) is False:
-        raise LoadCancelledError("the load was cancelled by its progress callback before it started")
-    thread = threading.Thread(target=body, name="hoist-load", daemon=True)
-    thread.start()
-    try:
-        await asyncio.shield(done_future)
-    except asyncio.CancelledError:
-        cancel.set()
-        while not done_future.done():
-            try:
-                await asyncio.shield(done_future)
-            except asyncio.CancelledError:
-                continue
-            except BaseException:
-                break
-        raise
-    finally:
-        # the loader has posted its result; it is at most returning now
-        thread.join()
-    if state["by_callback"]:
-        raise LoadCancelledError("the load was cancelled by its progress callback")
-    return worker.stats, dict(worker.invalid)
-
-
-def _clear_frames(exc: BaseException) -> None:
-    """Drop the locals of the finished frames in the tracebacks of ``exc`` and of the
-    exceptions it was raised from or during."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
+def _data_ranges(index: WeightIndex, placement: Plan) -> dict[int, tuple[str, int, int]]:
+    """File index -> (path, first byte, end) of the tensor data the load brings in."""
+    out: dict[int, tuple[str, int, int]] = {}
+    for t in placement.tensors:
+        if t.lazy or not t.nbytes:
             continue
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
-        todo += [e.__cause__, e.__context__]
+        path, lo, hi = out.get(t.file_index, (index.files[t.file_index].path, t.offset, t.offset + t.nbytes))
+        out[t.file_index] = (path, min(lo, t.offset), max(hi, t.offset + t.nbytes))
+    return out
 
 
 def _finish_load(

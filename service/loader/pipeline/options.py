@@ -27,6 +27,12 @@ MAX_STAGING_NBYTES = 1 << 30
 MAX_STAGING_BUFFERS = 64
 """Most staging buffers per device."""
 
+DEFAULT_READS_IN_FLIGHT = 2
+"""Reads a load keeps in flight at once (chosen by measurement: ``bench/load.py``)."""
+
+MAX_READS_IN_FLIGHT = 16
+"""Most reads in flight a load accepts."""
+
 
 @dataclass(frozen=True, slots=True)
 class LoadOptions:
@@ -43,6 +49,9 @@ class LoadOptions:
         validation_workers: threads validating data in parallel with reading.
         direct_chunk_nbytes: bytes per direct read straight into a host buffer (rounded
             up to the filesystem's alignment); progress is still reported per tensor.
+        reads_in_flight: reads issued at once, each on its own reader thread (1: every
+            read on the loader thread); staged reads are also bounded by the staging
+            buffers.
     """
 
     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
@@ -51,6 +60,7 @@ class LoadOptions:
     check_tensors: bool = False
     validation_workers: int = 2
     direct_chunk_nbytes: int = DIRECT_IO_STAGING_NBYTES
+    reads_in_flight: int = DEFAULT_READS_IN_FLIGHT
 
     def __post_init__(self) -> None:
         for name, low, high in (
@@ -58,6 +68,7 @@ class LoadOptions:
             ("staging_buffers", 1, MAX_STAGING_BUFFERS),
             ("validation_workers", 1, 64),
             ("direct_chunk_nbytes", 1, MAX_STAGING_NBYTES),
+            ("reads_in_flight", 1, MAX_READS_IN_FLIGHT),
         ):
             value = getattr(self, name)
             if not low <= value <= high:
