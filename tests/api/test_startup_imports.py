@@ -1,6 +1,7 @@
 """What the service imports before it answers its first request: the callback client
-(httpx, with its command-line extras), the server-sent-events library and the settings
-fields' source are left until used (checked in a fresh interpreter through
+(httpx, with its command-line extras), the server-sent-events library, the websocket
+protocol, the settings fields' source, numpy and the loader's planner, weight index,
+header reader and pipeline are left until used (checked in a fresh interpreter through
 ``sys.modules``; the time this saves is shown by bench/startup.py)."""
 
 from __future__ import annotations
@@ -50,7 +51,18 @@ before = asyncio.run(main())
 print(json.dumps({"answers": answers, "body": bodies[-1], "started": sorted(before), "after": sorted(sys.modules)}))
 """
 
-LATER = {"httpx", "sse_starlette", "rich", "pygments"}
+LATER = {"httpx", "sse_starlette", "rich", "pygments", "numpy", "websockets"}
+
+LOADER = {
+    "service.loader.pipeline.load",
+    "service.loader.pipeline.worker",
+    "service.loader.placement.plan",
+    "service.loader.weights",
+    "service.loader.gguf.reader",
+    "service.loader.model",
+    "service.io.touch",
+}
+"""Modules of the loader a plan or a load imports, and the start does not."""
 
 
 def start(models: Path, *then: str) -> dict[str, Any]:
@@ -68,6 +80,22 @@ def test_ready_without_the_callback_client_or_the_event_stream(tmp_path: Path) -
     started = {m.split(".")[0] for m in report["started"]}
     assert "fastapi" in started and "service" in started
     assert not started & LATER
+    assert "service.loader.devices" in report["started"]  # the lifespan found the devices
+    assert not set(report["started"]) & LOADER
+
+
+def test_the_first_header_read_imports_what_the_start_left(tmp_path: Path) -> None:
+    """Listing the model files after the start reads their headers with the loader's
+    modules the start did not import (the deferred imports are made where they are
+    used), and summarises them as a service that imported them at once would."""
+    from tests.helpers import write_fixture
+
+    write_fixture(tmp_path / "m.gguf", arch="gemma3")
+    report = start(tmp_path, "/v1/files")
+    assert report["answers"] == [200, 200, 200]
+    listed = json.loads(report["body"])["data"]
+    assert [(f["path"], f["architecture"], f["error"]) for f in listed] == [("m.gguf", "gemma3", None)]
+    assert {"service.loader.weights", "service.loader.gguf.reader"} <= set(report["after"])
 
 
 def test_the_openapi_document_needs_neither(tmp_path: Path) -> None:
@@ -85,3 +113,41 @@ def test_every_setting_is_documented_without_pydantic_reading_the_source() -> No
     assert set(docs) == set(Settings.model_fields)
     assert all(docs.values())
     assert "HOIST_MODELS_DIR" in docs["models_dir"]
+
+
+def test_lazy_packages_export_what_their_modules_define() -> None:
+    """The placement, pipeline and GGUF packages give the same objects as their modules
+    whichever is imported first; ``placement.plan`` stays the function when the
+    submodule of that name is imported (checked in a fresh interpreter)."""
+    code = """
+import json, sys
+import service.loader.placement.plan as first  # the submodule first: the package's name is still the function
+from service.loader import gguf, pipeline, placement
+from service.loader.gguf import reader, values
+from service.loader.pipeline import load, options
+import service.loader.placement.buffers, service.loader.placement.params, service.loader.placement.memory
+mod = sys.modules["service.loader.placement.plan"]
+
+def same(package):
+    return all(getattr(package, n) is getattr(sys.modules[package.__name__ + "." + home], n)
+               for n, home in package._HOME.items())
+
+out = {
+    "plan_is_function": placement.plan is mod.plan and callable(placement.plan) and first is mod.plan,
+    "placement": same(placement),
+    "pipeline": same(pipeline),
+    "gguf": same(gguf),
+    "all": sorted(set(placement.__all__) - set(dir(placement)) - set(placement._HOME)),
+}
+try:
+    placement.nothing
+except AttributeError as exc:
+    out["missing"] = str(exc)
+print(json.dumps(out))
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out["plan_is_function"] and out["placement"] and out["pipeline"] and out["gguf"]
+    assert out["all"] == []
+    assert "has no attribute 'nothing'" in out["missing"]

@@ -7,12 +7,14 @@ its encoding, whatever the size of its plan."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.api.errors import scrub_paths
 from service.api.registry import ResidentModel
 from service.api.runner import JobState, LoadJob
-from service.loader.model import MemoryReport
+
+if TYPE_CHECKING:
+    from service.loader.model import MemoryReport
 
 
 def memory_out(report: MemoryReport) -> dict[str, Any]:

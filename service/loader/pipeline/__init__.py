@@ -14,33 +14,26 @@ their pages are locked as the load proceeds), ``none`` (read into allocated buff
 ``mlock`` (read into host buffers that are locked), ``direct-io`` (read with ``O_DIRECT``,
 falling back to buffered reads where the filesystem refuses it), ``auto`` (mmap unless a
 chosen device cannot use mapped memory). Lazy tensors are mapped whatever the mode.
+
+The names below are imported from their modules with their first use: the load
+options from :mod:`.options` (light: what a request or a command line needs), the rest
+from :mod:`.load`, with numpy, the planner and the loader thread's modules.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from service.errors import BudgetExceededError, ByteOrderError, InvalidDataError, StorageError
-from service.io.mapping import Mapping
-from service.loader.devices import MAPPED_BUFFER_NAME, CPUDevice, Device
-from service.loader.ggml_types import GGML_TYPES_BY_NAME, numpy_dtype, numpy_shape
-from service.loader.model import BufferInfo, LoadedModel, LoadedTensor, MemoryReport
-from service.loader.pipeline.boundary import run_loader
-from service.loader.pipeline.layout import Resources, build
-from service.loader.pipeline.options import (
-    DEFAULT_CHUNK_NBYTES,
-    DEFAULT_STAGING_BUFFERS,
-    LoadOptions,
-    Progress,
-    ProgressCallback,
-)
-from service.loader.placement import LoadMode, MemorySnapshot, PlacementParams, Plan, TensorPlacement, plan
-from service.loader.weights import WeightIndex
+if TYPE_CHECKING:
+    from service.loader.pipeline.load import check_budget, check_loadable, load_model, load_plan, staging_nbytes
+    from service.loader.pipeline.options import (
+        DEFAULT_CHUNK_NBYTES,
+        DEFAULT_STAGING_BUFFERS,
+        LoadOptions,
+        Progress,
+        ProgressCallback,
+    )
 
 __all__ = [
     "DEFAULT_CHUNK_NBYTES",
@@ -55,242 +48,25 @@ __all__ = [
     "load_plan",
 ]
 
-MiB = 1 << 20
+_HOME = {
+    "DEFAULT_CHUNK_NBYTES": "options",
+    "DEFAULT_STAGING_BUFFERS": "options",
+    "LoadOptions": "options",
+    "Progress": "options",
+    "ProgressCallback": "options",
+    "check_budget": "load",
+    "check_loadable": "load",
+    "staging_nbytes": "load",
+    "load_model": "load",
+    "load_plan": "load",
+}
+"""The module of this package that defines each exported name."""
 
 
-def check_budget(p: Plan, *, staging: int = 0) -> None:
-    """Raise :class:`BudgetExceededError` with the per-device breakdown unless every
-    device's free memory holds what ``p`` needs there (and the host, ``staging`` more
-    bytes of staging buffers)."""
-    needs = {u.device: u.needed for u in p.device_use}
-    free = {u.device: u.free for u in p.device_use}
-    if staging:
-        needs["CPU"] = needs.get("CPU", 0) + staging
-        free.setdefault("CPU", CPUDevice().memory().free)
-    parts = [
-        f"{d} needs {needs[d] / MiB:.2f} MiB{' (staging buffers included)' if d == 'CPU' and staging else ''}, "
-        f"{free[d] / MiB:.2f} MiB free"
-        for d in needs
-        if needs[d] > free[d]
-    ]
-    if not parts:
-        return
-    raise BudgetExceededError(
-        "the model does not fit: " + "; ".join(parts),
-        path=p.model,
-        hint="offload fewer layers (-ngl), change --tensor-split, use smaller staging buffers, or free memory",
-    )
-
-
-def check_loadable(index: WeightIndex) -> None:
-    """Raise what makes ``index`` impossible to load whatever the placement.
-
-    Raises:
-        ByteOrderError: the file is big-endian (hoist loads little-endian data only).
-    """
-    if index.byte_order != "little":
-        raise ByteOrderError(
-            "the file is big-endian; hoist loads little-endian tensor data only",
-            path=index.path,
-            hint="convert it with gguf-py's `gguf-convert-endian FILE little`",
-        )
-
-
-def staging_nbytes(p: Plan, devices: Sequence[Device], options: LoadOptions) -> int:
-    """Host bytes of the staging buffers a load of ``p`` sets up (N per device that
-    uploads staged tensors), counted with direct I/O's 4096-byte alignment when it
-    applies."""
-    if p.use_mmap:
-        return 0
-    by_name = {d.name: d for d in devices}
-    staged = {
-        b.device
-        for b in p.buffers
-        if not b.mapped and not b.host and b.device in by_name and by_name[b.device].can_stage
-    }
-    alignment = 4096 if p.load_mode is LoadMode.DIRECT_IO else 1
-    return len(staged) * options.staging_buffers * (options.staging_size(alignment) + alignment)
-
-
-def _typed(raw: Any, t: TensorPlacement, ne: tuple[int, ...]) -> Any:
-    """A numpy ``uint8`` view as the tensor's element type and shape; other array types
-    (torch tensors on a GPU) stay raw bytes."""
-    if not isinstance(raw, np.ndarray):
-        return raw
-    ggml_type = GGML_TYPES_BY_NAME[t.ggml_type]
-    return raw.view(numpy_dtype(ggml_type)).reshape(numpy_shape(ggml_type, ne))
-
-
-async def load_model(
-    index: WeightIndex,
-    *,
-    load_mode: LoadMode | str = LoadMode.MMAP,
-    devices: Sequence[Device] | None = None,
-    params: PlacementParams | None = None,
-    options: LoadOptions | None = None,
-    on_progress: ProgressCallback | None = None,
-    chunk_nbytes: int | None = None,
-) -> LoadedModel:
-    """Place and load every tensor of ``index`` (llama.cpp ``load_tensors`` +
-    ``load_all_data``).
-
-    Args:
-        index: the model's weights index.
-        load_mode: the load mode when ``params`` is not given (``mmap``, ``none``,
-            ``mlock``, ``mmap+mlock``, ``direct-io``, ``auto``).
-        devices: the devices to place on (default: the CPU alone).
-        params: the placement flags (default: every layer offloaded, layer split).
-        options: how bytes move (chunk size, staging buffers, check-tensors).
-        on_progress: called on the event loop with :class:`Progress` after each chunk,
-            with bytes done strictly increasing; returning ``False`` cancels the load.
-        chunk_nbytes: shorthand for ``options.chunk_nbytes``.
-
-    Returns:
-        The :class:`LoadedModel`; the caller closes it.
-
-    Raises:
-        RequestError: unknown load mode.
-        ByteOrderError: the file is big-endian.
-        PlacementError: the flags give no valid placement.
-        BudgetExceededError: the plan needs more memory than a device has free; nothing
-            was allocated.
-        OutOfMemoryError: an allocation failed.
-        StorageError: a file cannot be opened, mapped or read, or it changed (shrank or
-            was rewritten) during the load.
-        InvalidDataError: with check-tensors, tensors hold NaN/Inf values or scales; the
-            error lists every one.
-        LoadCancelledError: the progress callback returned ``False``.
-        asyncio.CancelledError: the awaiting task was cancelled.
-        In every case nothing the load took stays held.
-    """
-    if params is None:
-        mode = LoadMode.parse(load_mode) if isinstance(load_mode, str) else load_mode
-        params = PlacementParams(load_mode=mode)
-    if chunk_nbytes is not None:
-        options = replace(options or LoadOptions(), chunk_nbytes=chunk_nbytes)
-    check_loadable(index)
-    devices = list(devices) if devices is not None else [CPUDevice()]
-    placement = await asyncio.to_thread(_plan_now, index, devices, params)
-    check_budget(placement, staging=staging_nbytes(placement, devices, options or LoadOptions()))
-    return await load_plan(index, placement, devices, options=options, on_progress=on_progress)
-
-
-def _plan_now(index: WeightIndex, devices: Sequence[Device], params: PlacementParams) -> Plan:
-    """Plan against the devices' memory as it is now (read once)."""
-    return plan(index, devices, params, memory=MemorySnapshot.take(devices))
-
-
-async def load_plan(
-    index: WeightIndex,
-    placement: Plan,
-    devices: Sequence[Device],
-    *,
-    options: LoadOptions | None = None,
-    on_progress: ProgressCallback | None = None,
-) -> LoadedModel:
-    """Load ``index`` as ``placement`` (from :func:`~service.loader.placement.plan`) says.
-
-    Raises: as :func:`load_model`, but the plan is taken as it is (no budget check).
-    """
-    options = options or LoadOptions()
-    res = Resources()
-    try:
-        stats, invalid = await run_loader(
-            lambda: build(index, placement, devices, res),
-            {i: f.identity for i, f in enumerate(index.files)},
-            res,
-            sum(t.nbytes for t in placement.tensors),
-            options,
-            placement.load_mode is LoadMode.DIRECT_IO,
-            on_progress,
-            [t.device for t in placement.tensors],
-            _data_ranges(index, placement),
-        )
-        for mapping in res.mappings.values():
-            how = mapping.changed()
-            if how is not None:
-                raise StorageError(f"the file changed while it was mapped for the load: {how}", path=mapping.path)
-        if invalid:
-            listed = "; ".join(f"tensor '{name}': {found.reason}" for name, found in invalid.items())
-            raise InvalidDataError(
-                f"found {len(invalid)} tensor{'s' if len(invalid) > 1 else ''} with invalid data: {listed}",
-                path=index.path,
-                tensors={name: found.reason for name, found in invalid.items()},
-            )
-        tensors, tied = await asyncio.to_thread(_finish_load, index, placement, res)
-    except BaseException:
-        res.release()
-        raise
-    res.jobs.clear()
-    report = MemoryReport(
-        tuple(BufferInfo(b.name, b.memory, b.nbytes, mapped=b.mapped, host=b.host) for b in placement.buffers)
-    )
-    warnings = [*placement.warnings, *res.warnings, *stats.notices]
-    return LoadedModel(
-        index,
-        placement,
-        tensors,
-        report,
-        res.release,
-        tied_output=tied,
-        warnings=warnings,
-        stats=stats,
-        mappings=list(res.mappings.values()),
-    )
-
-
-def _data_ranges(index: WeightIndex, placement: Plan) -> dict[int, tuple[str, int, int]]:
-    """File index -> (path, first byte, end) of the tensor data the load brings in."""
-    out: dict[int, tuple[str, int, int]] = {}
-    for t in placement.tensors:
-        if t.lazy or not t.nbytes:
-            continue
-        path, lo, hi = out.get(t.file_index, (index.files[t.file_index].path, t.offset, t.offset + t.nbytes))
-        out[t.file_index] = (path, min(lo, t.offset), max(hi, t.offset + t.nbytes))
-    return out
-
-
-def _finish_load(
-    index: WeightIndex, placement: Plan, res: Resources
-) -> tuple[dict[str, LoadedTensor], LoadedTensor | None]:
-    """Unmap what no tensor uses and give every tensor its typed view (off the event
-    loop: a model can have hundreds of thousands of tensors)."""
-    if placement.use_mmap:
-        _unmap_unused(placement, res.mappings)
-    tensors: dict[str, LoadedTensor] = {}
-    tied: LoadedTensor | None = None
-    mapped = {j.index for j in res.jobs if j.branch in ("mapped", "lazy")}
-    for i, t in enumerate(placement.tensors):
-        w = index.weights[t.name]
-        loaded = LoadedTensor(
-            name=t.name,
-            ggml_type=t.ggml_type,
-            ne=w.info.ne,
-            nbytes=t.nbytes,
-            buffer_type=MAPPED_BUFFER_NAME if i in mapped else t.buffer_type,
-            device=t.device,
-            data=_typed(res.views[i], t, w.info.ne),
-            lazy=t.lazy,
-        )
-        if t.role == "tied_output":
-            tied = loaded
-        else:
-            tensors[t.name] = loaded
-    return tensors, tied
-
-
-def _unmap_unused(placement: Plan, mappings: dict[int, Mapping]) -> None:
-    """Unmap each mapping's head and tail that no zero-copy tensor uses (page-aligned
-    inward); a mapping no zero-copy tensor uses is unmapped entirely."""
-    for file_index, mapping in mappings.items():
-        used = [
-            (placement.tensors[i].offset, placement.tensors[i].offset + placement.tensors[i].nbytes)
-            for b in placement.buffers
-            if b.mapped and b.file_index == file_index
-            for i in b.tensors
-        ]
-        if not used:
-            mapping.unmap_fragment(0, mapping.size)
-            continue
-        mapping.unmap_fragment(0, min(s for s, _ in used))
-        mapping.unmap_fragment(max(e for _, e in used), mapping.size)
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
