@@ -242,8 +242,9 @@ _IMPORT_WORTH_STRINGS = 1 << 20
 """While numpy is not imported yet, string arrays shorter than this are walked one string
 at a time all the way: walking a million strings costs about what importing numpy does
 (a fifth of a second), so a command that reads one header (``hoist inspect`` of a model
-with a 262,144-token vocabulary) finishes sooner without it; a process that has numpy
-already (the service, a load) always scans."""
+with a 262,144-token vocabulary) finishes sooner without it, and so does the service's
+first header read (it starts without numpy); a process that has numpy already (after a
+load) always scans."""
 
 
 def _scan_worth(count: int) -> bool:
