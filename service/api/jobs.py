@@ -358,16 +358,17 @@ class JobManager:
                 hint="unload a model (DELETE /v1/models/{name}) or cancel a load first",
             )
 
-    def _check_name(self, name: str, key: ShareKey, checked: bool) -> None:
+    def _check_name(self, name: str, key: ShareKey, checked: bool, hashed: bool = False) -> None:
         """Refuse a name held by a resident model this load cannot share, or by a load in
         progress."""
         holder = self.registry.by_name.get(name)
         if holder is not None:
-            why = (
-                "was loaded without check_tensors (a load that checks its data does not share it)"
-                if holder.key == key and checked
-                else f"was loaded from '{holder.model}' with other files or another placement"
-            )
+            if holder.key == key and checked and not holder.checked:
+                why = "was loaded without check_tensors (a load that checks its data does not share it)"
+            elif holder.key == key and hashed and not holder.hashed:
+                why = "was loaded without hash_tensors (a load that hashes its data does not share it)"
+            else:
+                why = f"was loaded from '{holder.model}' with other files or another placement"
             raise NameTakenError(
                 f"the name '{name}' is taken: model {holder.id} {why}",
                 hint="give the load another 'name', or unload that model first",
@@ -418,14 +419,16 @@ class JobManager:
         check_loadable(planned.index)
         key = share_key(planned.index, planned.params, planned.plan)
         async with self._admission:
-            resident = self.registry.shareable(spec.name, key, checked=spec.options.check_tensors)
+            resident = self.registry.shareable(
+                spec.name, key, checked=spec.options.check_tensors, hashed=spec.options.hash_tensors
+            )
             if resident is not None:
                 job = self._share(resident, spec, planned, keep_alive)
                 if spec.callback is not None:
                     self.callbacks.start(job, spec.callback)
                 return job
             name = spec.name if spec.name is not None else check_name(spec.model, what="default name")
-            self._check_name(name, key, spec.options.check_tensors)
+            self._check_name(name, key, spec.options.check_tensors, spec.options.hash_tensors)
             self.runner.check_queue()
             self._check_models()
             index, placement = planned.index, planned.plan
@@ -444,8 +447,9 @@ class JobManager:
                 key=key,
             )
             staging = staging_nbytes(placement, self.devices, spec.options)
-            # the worker holds each file open, twice when it also validates what it reads
-            open_files = len(index.files) * (2 if spec.options.check_tensors else 1)
+            # the worker holds each file open, twice when it also validates or hashes what it reads
+            twice = spec.options.check_tensors or spec.options.hash_tensors
+            open_files = len(index.files) * (2 if twice else 1)
             needs = plan_needs(placement, staging, spec.options.staging_buffers if staging else 0, open_files)
             evicted = await self._admit(job, needs, metadata_nbytes(index), planned.capacities)
             for resident in evicted:
@@ -526,6 +530,7 @@ class JobManager:
             loaded,
             key=job.key,
             checked=job.options.check_tensors,
+            hashed=job.options.hash_tensors,
             keep_alive_s=job.keep_alive_s,
         )
         # the staging buffers are gone: the model keeps what its buffers hold

@@ -27,7 +27,7 @@ class LocalLoad:
         index: the model's weights (:func:`~service.loader.weights.open_model`).
         devices: where to place it (default: the CPU alone).
         params: the placement flags (default: every layer offloaded, mmap).
-        options: how bytes move (chunk size, staging buffers, check-tensors).
+        options: how bytes move (chunk size, staging buffers, check-tensors, hash-tensors).
         on_progress: called with :class:`~service.loader.pipeline.Progress` (bytes done,
             bytes total, per device) as llama.cpp's ``progress_callback``; returning
             ``False`` cancels the load.

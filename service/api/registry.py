@@ -58,6 +58,7 @@ class ResidentModel:
         model: its path relative to the models directory.
         key: what a load must have alike to share it (:func:`~service.api.spec.share_key`).
         checked: whether its tensor data was validated as it loaded (check-tensors).
+        hashed: whether its tensors were hashed as it loaded (hash-tensors).
         references: loads holding it (the first load's, and one per shared load).
         keep_alive_s: seconds it stays after the last load that referenced it (negative:
             until unloaded).
@@ -72,6 +73,7 @@ class ResidentModel:
     loaded: LoadedModel
     key: ShareKey = ()
     checked: bool = False
+    hashed: bool = False
     references: int = 1
     keep_alive_s: float = -1.0
     loaded_at: datetime = field(default_factory=_now)
@@ -126,15 +128,18 @@ class ModelRegistry:
             raise NotFoundError(f"no loaded model '{clip(ref, 100)}'")
         return resident
 
-    def shareable(self, name: str | None, key: ShareKey, *, checked: bool) -> ResidentModel | None:
+    def shareable(
+        self, name: str | None, key: ShareKey, *, checked: bool, hashed: bool = False
+    ) -> ResidentModel | None:
         """The resident model a load of ``key`` can share: the one named ``name`` (when
         given) if its key is ``key``, else any of that key; a load that validates its
-        data (``checked``) shares only a model that was validated."""
+        data (``checked``) shares only a model that was validated, one that hashes it
+        (``hashed``) only a model that was hashed."""
         candidates = [self.by_name[name]] if name is not None and name in self.by_name else []
         if name is None:
             candidates = list(self.models.values())
         for resident in candidates:
-            if resident.key == key and (resident.checked or not checked):
+            if resident.key == key and (resident.checked or not checked) and (resident.hashed or not hashed):
                 return resident
         return None
 

@@ -139,6 +139,10 @@ class LoadRequest(PlanRequest):
     check_tensors: bool = Field(
         default=False, description="Validate tensor data (NaN/Inf values and block scales); lists every bad tensor."
     )
+    hash_tensors: bool = Field(
+        default=False,
+        description="Compute an xxh3_64 digest of every tensor's bytes while loading (GET /v1/models/{name}/hashes).",
+    )
     staging_buffers: int = Field(default=4, ge=1, le=64, description="Staging buffers per device for uploads.")
     staging_size: int | None = Field(
         default=None,
@@ -193,7 +197,10 @@ class LoadRequest(PlanRequest):
             RequestError: invalid load options.
         """
         options = LoadOptions(
-            staging_buffers=self.staging_buffers, staging_nbytes=self.staging_size, check_tensors=self.check_tensors
+            staging_buffers=self.staging_buffers,
+            staging_nbytes=self.staging_size,
+            check_tensors=self.check_tensors,
+            hash_tensors=self.hash_tensors,
         )
         keep_alive = None if self.keep_alive is None else float(self.keep_alive)
         callback = None if self.callback is None else self.callback.spec()
@@ -349,6 +356,21 @@ class ModelOut(ModelListed):
     """A resident model (``GET /v1/models/{id}``)."""
 
     memory: MemoryReportOut = Field(description="The whole report.")
+
+
+class TensorHashOut(BaseModel):
+    name: str = Field(description="The tensor name.")
+    xxh3_64: str = Field(description="xxh3_64 of its bytes as the file holds them: 16 hex digits.")
+
+
+class TensorHashList(BaseModel):
+    """``GET /v1/models/{name}/hashes``: the digests computed while the model loaded."""
+
+    name: str
+    id: str
+    algorithm: Literal["xxh3_64"] = "xxh3_64"
+    data: list[TensorHashOut] = Field(description="Tensors in load order, a page of them.")
+    total: int = Field(description="Tensors hashed in all (listed or not).")
 
 
 class ModelList(BaseModel):

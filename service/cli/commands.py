@@ -119,9 +119,13 @@ async def _load(args: argparse.Namespace) -> int:
                 "warnings": model.warnings,
                 "stats": model.stats.to_dict(),
             }
+            if args.hash_tensors:
+                data["tensor_hashes"] = {"algorithm": "xxh3_64", "tensors": model.tensor_hashes}
             sys.stdout.write(json.dumps(data, indent=1) + "\n")
         else:
             err.print(f"loaded {len(model)} tensors in {seconds:.2f} s")
+            if args.hash_tensors:
+                err.print(f"hashed {len(model.tensor_hashes)} tensors (xxh3_64; --json lists them)")
             for warning in model.warnings:
                 if warning not in model.plan.warnings:  # those come with the plan
                     err.print(f"[yellow]warning:[/yellow] {escape(warning)}")

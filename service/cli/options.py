@@ -40,7 +40,7 @@ def placement_params(args: argparse.Namespace, devices: list[Device]) -> Placeme
 
 
 def load_options(args: argparse.Namespace) -> pipeline.LoadOptions:
-    """``--staging-buffers``, ``--staging-size`` and ``--check-tensors``.
+    """``--staging-buffers``, ``--staging-size``, ``--check-tensors`` and ``--hash-tensors``.
 
     Raises:
         RequestError: an invalid ``--staging-size``.
@@ -49,4 +49,5 @@ def load_options(args: argparse.Namespace) -> pipeline.LoadOptions:
         staging_buffers=args.staging_buffers,
         staging_nbytes=None if args.staging_size is None else parse_size(args.staging_size),
         check_tensors=args.check_tensors,
+        hash_tensors=args.hash_tensors,
     )

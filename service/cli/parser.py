@@ -156,6 +156,11 @@ def _load_options() -> Parser:
         "--check-tensors", action="store_true", help="validate tensor data (NaN/Inf values and scales) while loading"
     )
     parent.add_argument(
+        "--hash-tensors",
+        action="store_true",
+        help="compute an xxh3_64 digest of every tensor's bytes while loading (listed by --json)",
+    )
+    parent.add_argument(
         "--staging-buffers",
         type=int,
         default=DEFAULT_STAGING_BUFFERS,

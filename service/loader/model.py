@@ -132,6 +132,9 @@ class LoadedModel:
         stats: how the bytes moved (:class:`~service.loader.pipeline.stats.WorkerStats`: bytes
             per branch, staging pools, direct I/O, bytes from the page cache and from disk,
             busy time per stage and the stage that bounded the load).
+        tensor_hashes: with hash-tensors, tensor name -> hex xxh3_64 digest (16 digits,
+            ``xxhash.xxh3_64(data).hexdigest()``) of its bytes as the file holds them, in
+            load order; empty otherwise.
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class LoadedModel:
         warnings: list[str] | None = None,
         stats: Any = None,
         mappings: Sequence[Mapping] = (),
+        tensor_hashes: dict[str, str] | None = None,
     ) -> None:
         self.index = index
         self.plan = plan
@@ -155,6 +159,7 @@ class LoadedModel:
         self.report = report
         self.warnings = list(warnings or [])
         self.stats = stats
+        self.tensor_hashes = dict(tensor_hashes or {})
         self._mappings = list(mappings)
         self._release: Callable[[], None] | None = release
 

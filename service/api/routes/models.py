@@ -13,7 +13,7 @@ from starlette.convertors import StringConvertor, register_url_convertor
 from service.api.deps import JobsDep
 from service.api.errors import problem
 from service.api.routes.views import model_out
-from service.api.schemas import COMMON_PROBLEMS, ModelList, ModelOut, ModelReady, problem_responses
+from service.api.schemas import COMMON_PROBLEMS, ModelList, ModelOut, ModelReady, TensorHashList, problem_responses
 from service.errors import NotFoundError
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=COMMON_PROBLEMS)
@@ -21,9 +21,10 @@ router = APIRouter(prefix="/v1/models", tags=["models"], responses=COMMON_PROBLE
 
 class ModelRef(StringConvertor):
     """A model reference in a path: a name may hold slashes, and never ends in
-    ``/ready`` (that path is the model's readiness, answered for ``GET`` only)."""
+    ``/ready`` or ``/hashes`` (those paths are the model's readiness and its tensor
+    hashes, answered for ``GET`` only)."""
 
-    regex = r"(?!.*/ready$).+"
+    regex = r"(?!.*/(?:ready|hashes)$).+"
 
 
 register_url_convertor("model_ref", ModelRef())
@@ -62,6 +63,35 @@ async def model_ready(ref: str, jobs: JobsDep, request: Request) -> JSONResponse
         extra = {"job_id": job.id} if job is not None else {}
         return problem(503, detail, "not_ready", request.url.path, {"Retry-After": "1"}, **extra)
     return JSONResponse({"name": resident.name, "id": resident.id, "ready": True})
+
+
+@router.get("/{ref:path}/hashes", response_model=TensorHashList, responses=problem_responses(404, 422))
+async def model_hashes(
+    ref: str,
+    jobs: JobsDep,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+) -> JSONResponse:
+    """The xxh3_64 digest of every tensor's bytes, computed while the model loaded
+    (``hash_tensors``), in load order, ``limit`` of them from ``offset`` (``total``: how
+    many there are); 404 for a model loaded without ``hash_tensors``."""
+    resident = jobs.get_model(ref)
+    if not resident.hashed:
+        raise NotFoundError(
+            f"model '{resident.name}' was loaded without hash_tensors: it has no tensor hashes",
+            hint="unload it and load it again with hash_tensors",
+        )
+    hashes = resident.loaded.tensor_hashes
+    listed = itertools.islice(hashes.items(), offset, offset + limit)
+    return JSONResponse(
+        {
+            "name": resident.name,
+            "id": resident.id,
+            "algorithm": "xxh3_64",
+            "data": [{"name": name, "xxh3_64": digest} for name, digest in listed],
+            "total": len(hashes),
+        }
+    )
 
 
 @router.get("/{ref:model_ref}", response_model=ModelOut, responses=problem_responses(404))

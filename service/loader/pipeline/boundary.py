@@ -32,12 +32,12 @@ async def run_loader(
     on_progress: ProgressCallback | None,
     device_of: Sequence[str],
     data_ranges: dict[int, tuple[str, int, int]] | None = None,
-) -> tuple[WorkerStats, dict[str, Any]]:
+) -> tuple[WorkerStats, dict[str, Any], dict[str, str]]:
     """On a loader thread, ``prepare`` (map, allocate, lock: blocking work that stays off
-    the event loop) then run the jobs it put in ``res``; returns the loader's stats and
-    the invalid tensors. ``data_ranges`` (file index -> path, first byte, end of the data
-    the load brings in) are probed for page-cache residency first, before mapping and
-    allocating start any read-ahead.
+    the event loop) then run the jobs it put in ``res``; returns the loader's stats, the
+    invalid tensors and the tensor hashes (hash-tensors). ``data_ranges`` (file index ->
+    path, first byte, end of the data the load brings in) are probed for page-cache
+    residency first, before mapping and allocating start any read-ahead.
 
     Raises:
         LoadCancelledError: the callback asked to stop.
@@ -117,7 +117,7 @@ async def run_loader(
         thread.join()
     if state["by_callback"]:
         raise LoadCancelledError("the load was cancelled by its progress callback")
-    return worker.stats, dict(worker.invalid)
+    return worker.stats, dict(worker.invalid), dict(worker.hashes)
 
 
 def _clear_frames(exc: BaseException) -> None:

@@ -7,7 +7,7 @@ A handler works in three steps, so that reads can be in flight while the loader 
   (a staging buffer: waiting for it is the backpressure; a temporary buffer);
 - :meth:`Handler.read`, on a reader thread: the I/O alone, into the destination;
 - :meth:`Handler.complete`, on the loader thread, in load order: hand the bytes on
-  (upload, validation) and report them.
+  (upload, validation, hashing) and report them.
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ class Mapped(Handler):
         for piece in extent.pieces:
             if piece.completes:
                 self.load.validators.file(piece.job, self.load.files.check_fd(piece.job))
+                if self.load.hashers.enabled:
+                    self.load.hashers.file(piece.job, self.load.files.check_fd(piece.job))
         self.load.report_pieces(extent)
         lock = extent.first.lock
         if lock is not None and extent.hi > extent.lo:
@@ -104,6 +106,8 @@ class Lazy(Handler):
     def complete(self, extent: Extent, ticket: Any) -> None:
         for piece in extent.pieces:
             self.load.validators.file(piece.job, self.load.files.check_fd(piece.job))
+            if self.load.hashers.enabled:
+                self.load.hashers.file(piece.job, self.load.files.check_fd(piece.job))
         self.load.report_pieces(extent)
 
 
@@ -124,9 +128,12 @@ class Read(Handler):
 
     def complete(self, extent: Extent, ticket: Any) -> None:
         for piece in extent.pieces:
+            job = piece.job
+            assert job.dest is not None
+            if self.load.hashers.enabled:
+                start = job.dest_offset + (piece.lo - job.offset)
+                self.load.hashers.array(job, job.dest.view(start, piece.hi - piece.lo))
             if piece.completes:
-                job = piece.job
-                assert job.dest is not None
                 self.load.validators.array(job, job.dest.view(job.dest_offset, job.nbytes))
         self.load.report_pieces(extent)
 
@@ -156,13 +163,15 @@ class Copy(Handler):
         for piece in extent.pieces:
             if piece.completes:
                 self.load.validators.file(piece.job, self.load.files.check_fd(piece.job))
+                if self.load.hashers.enabled:
+                    self.load.hashers.file(piece.job, self.load.files.check_fd(piece.job))
         self.load.report_pieces(extent)
 
 
 class Staged(Handler):
     """Tensors on a device that uploads asynchronously: read into a staging buffer,
-    uploaded on the device's stream, validated there; the buffer is reused once both
-    are done."""
+    uploaded on the device's stream, validated and hashed there; the buffer is reused
+    once all are done."""
 
     def slots(self, extent: Extent) -> tuple[str, int] | None:
         device = extent.first.device
@@ -200,6 +209,9 @@ class Staged(Handler):
             )
             if future is not None:
                 checks.append(FutureWaitable(future))
+            hashed = self.load.hashers.array(piece.job, staging[piece.lo - start : piece.hi - start])
+            if hashed is not None:
+                checks.append(FutureWaitable(hashed))
         n = extent.hi - extent.lo
         if n:
             self.load.uploader(job.device).upload(
@@ -236,6 +248,7 @@ class Sync(Handler):
             with self.load.stats.clocks["upload"].busy(job.nbytes):
                 job.dest.write(job.dest_offset, ticket)
             self.load.validators.now(job, ticket)
+            self.load.hashers.array(job, ticket)
             del self.temps[job.index]
 
 

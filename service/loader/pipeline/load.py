@@ -183,7 +183,7 @@ async def load_plan(
     options = options or LoadOptions()
     res = Resources()
     try:
-        stats, invalid = await run_loader(
+        stats, invalid, hashes = await run_loader(
             lambda: build(index, placement, devices, res),
             {i: f.identity for i, f in enumerate(index.files)},
             res,
@@ -224,6 +224,7 @@ async def load_plan(
         warnings=warnings,
         stats=stats,
         mappings=list(res.mappings.values()),
+        tensor_hashes=hashes,
     )
 
 

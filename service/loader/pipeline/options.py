@@ -46,6 +46,9 @@ class LoadOptions:
             default (1 MiB, or 64 MiB + 2 x alignment with direct I/O).
         check_tensors: validate every tensor's data (NaN/Inf in values and block scales)
             while loading; every bad tensor is listed before the load fails.
+        hash_tensors: compute an xxh3_64 digest of every tensor's bytes while loading
+            (on one thread beside the reads), given as the loaded model's
+            ``tensor_hashes``.
         validation_workers: threads validating data in parallel with reading.
         direct_chunk_nbytes: bytes per direct read straight into a host buffer (rounded
             up to the filesystem's alignment); progress is still reported per tensor.
@@ -58,6 +61,7 @@ class LoadOptions:
     staging_buffers: int = DEFAULT_STAGING_BUFFERS
     staging_nbytes: int | None = None
     check_tensors: bool = False
+    hash_tensors: bool = False
     validation_workers: int = 2
     direct_chunk_nbytes: int = DIRECT_IO_STAGING_NBYTES
     reads_in_flight: int = DEFAULT_READS_IN_FLIGHT

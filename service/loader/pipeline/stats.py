@@ -3,7 +3,7 @@ long each stage of the pipeline was busy, so that a load names the stage that bo
 
 Stages: ``touch`` (mapping, allocating, first touch and locking of the destination
 buffers), ``read`` (reads and page faults of file data), ``upload`` (copies to devices),
-``validate`` (check-tensors). A stage's busy time is the wall-clock time during which at
+``validate`` (check-tensors), ``hash`` (hash-tensors). A stage's busy time is the wall-clock time during which at
 least one of its workers was at work, so stages that run in parallel each have their
 own, and the longest is the bound.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from service.io.staging import PoolStats
 
-STAGES = ("touch", "read", "upload", "validate")
+STAGES = ("touch", "read", "upload", "validate", "hash")
 
 
 class StageClock:

@@ -5,9 +5,9 @@ for each extent the branch's handler (:mod:`.branches`) prepares it (a staging b
 waited for: the backpressure), reader tasks (:class:`Readers`, up to
 ``reads_in_flight`` at once) read it into its destination, and, in load order, the
 handler hands it on (uploaders per device, :mod:`.upload`; validators,
-:mod:`.validation`) and reports its bytes. Every resource a load takes (files, staging
+:mod:`.validation`; hashers, :mod:`.hashing`) and reports its bytes. Every resource a load takes (files, staging
 buffers and streams, threads) is owned by one exit stack and released in reverse order:
-reads stop before validations, validations before staging buffers are freed.
+reads stop before hashing and validations, those before staging buffers are freed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 from service.loader.devices import Device
 from service.loader.pipeline.branches import BRANCHES, CANCELLED, Handler
 from service.loader.pipeline.extents import Extent, ExtentLimits, plan_extents
+from service.loader.pipeline.hashing import Hashers
 from service.loader.pipeline.layout import TensorJob
 from service.loader.pipeline.options import LoadOptions
 from service.loader.pipeline.sources import SourceFiles
@@ -108,6 +109,7 @@ class Worker:
     Attributes:
         stats: what the load did (:class:`WorkerStats`).
         invalid: with check-tensors, tensor name -> the first problem found in it.
+        hashes: with hash-tensors, tensor name -> hex xxh3_64 digest of its bytes.
     """
 
     def __init__(
@@ -135,6 +137,10 @@ class Worker:
             chunk_nbytes=options.chunk_nbytes,
             clock=self.stats.clocks["validate"],
         )
+        self.hashers = Hashers(
+            enabled=options.hash_tensors, chunk_nbytes=options.chunk_nbytes, clock=self.stats.clocks["hash"]
+        )
+        self.hashes: dict[str, str] = {}
         self.uploaders: dict[str, Uploader] = {}
         self.handlers: dict[str, Handler] = {}
 
@@ -175,6 +181,7 @@ class Worker:
             stack.callback(self.files.close)
             stack.callback(self._close_uploaders, lambda: self.cancel.is_set() or not ok)
             stack.callback(lambda: self.validators.close(cancel=self.cancel.is_set() or not ok))
+            stack.callback(lambda: self.hashers.close(cancel=self.cancel.is_set() or not ok))
             self.readers = Readers(self.options.reads_in_flight, self.stats.clocks["read"])
             stack.callback(self.readers.close)
             self.handlers = {name: handler(self) for name, handler in BRANCHES.items()}
@@ -182,6 +189,7 @@ class Worker:
             ok = True
             self._settle()
         self.invalid = dict(self.validators.invalid)
+        self.hashes = dict(self.hashers.digests)
 
     def _close_uploaders(self, abort: Callable[[], bool]) -> None:
         for name, up in self.uploaders.items():
@@ -201,6 +209,7 @@ class Worker:
             except BaseException as exc:
                 errors.append(exc)
         errors += self.validators.collect()
+        errors += self.hashers.collect()
         errors += self.files.changed()
         if errors:
             raise errors[0]
@@ -214,6 +223,11 @@ class Worker:
 
     def _work(self) -> None:
         self._open_files()
+        names: set[str] = set()
+        for job in self.jobs:
+            if job.name in names:
+                self.hashers.skip(job)  # a second copy (a tied output): its bytes are the first's
+            names.add(job.name)
         alignments = self.files.alignments()
         extents = plan_extents(self.jobs, extent_limits(self.options, max(alignments.values(), default=1)), alignments)
         in_flight: deque[tuple[Extent, Handler, Any, Future[None] | _Done, str | None]] = deque()
