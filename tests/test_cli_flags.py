@@ -263,6 +263,7 @@ def test_an_mlock_failure_is_reported_once(
         raise OSError(errno.ENOMEM, "refused")
 
     monkeypatch.setattr(libc, "mlock", refuse)
+    monkeypatch.setattr(libc, "mlock_on_fault", refuse)
     for mode in ("mlock", "mmap+mlock"):
         assert cli.main(["load", str(model), "--no-cuda", "-lm", mode]) == 0
         err = capsys.readouterr().err
