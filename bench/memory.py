@@ -1,7 +1,7 @@
 """Host memory placement, measured: first touch of fresh buffers, huge pages, read-ahead
 advice, mmap populate order, and reuse of touched buffers; ratios within one run.
 
-    .venv/bin/python bench/memory.py PATH [--repeat N] [--parts touch,mmap,reuse]
+    .venv/bin/python bench/memory.py PATH [--repeat N] [--parts touch,mmap,reuse,cycle]
 
 PATH: a model file (>= 2 GiB to see the effects; ``bench/synthetic.py`` writes one).
 Every variant reads the file's whole tensor data range, in 16 MiB ``preadv`` chunks (as
@@ -258,6 +258,51 @@ def part_reuse(path: str, repeat: int) -> None:
     report(f"reuse across loads, warm, {(last - first) / MiB:.0f} MiB", variants, repeat, path, first, last, "warm")
 
 
+def part_cycle(path: str, repeat: int) -> None:
+    """The service's case: load the model, unload it, load it again, in one process, with
+    freed host buffers kept for reuse (``HOIST_HOST_BUFFER_CACHE_BYTES``) and without;
+    times the second load (host, ``none`` mode, the loader's own path)."""
+    import asyncio
+
+    from service.io.buffer_cache import HOST_BUFFER_CACHE
+    from service.loader.pipeline import load_model
+
+    first, last, _ = data_range(path)
+    index = open_model(path)
+
+    def reload_seconds(cap: int, cache: str) -> float:
+        HOST_BUFFER_CACHE.configure(cap, idle_s=0)
+        try:
+            asyncio.run(load_model(index, load_mode="none")).close()
+            if cache == "cold":
+                evict(path)
+            else:
+                warm(path)
+            start = time.perf_counter()
+            model = asyncio.run(load_model(index, load_mode="none"))
+            seconds = time.perf_counter() - start
+            model.close()
+        finally:
+            HOST_BUFFER_CACHE.configure(0)
+        return seconds
+
+    variants = {"reload, no cache": 0, "reload, freed buffers kept": 1 << 40}
+    for cache in CACHES:
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(repeat):
+            for name, cap in variants.items():
+                times[name].append(reload_seconds(cap, cache))
+        base = statistics.median(times["reload, no cache"])
+        sys.stdout.write(f"\nload -> unload -> load, {cache}, {(last - first) / MiB:.0f} MiB; median of {repeat}\n")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            sys.stdout.write(
+                f"  {name:<44} {med * 1000:8.1f} ms  [{min(ts) * 1000:7.1f}-{max(ts) * 1000:7.1f}]"
+                f"  {(last - first) / med / 1e9:5.2f} GB/s  x{base / med:5.2f}\n"
+            )
+        sys.stdout.flush()
+
+
 # -- driver -----------------------------------------------------------------------------------
 
 
@@ -295,11 +340,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--parts", default="touch,mmap,reuse")
+    parser.add_argument("--parts", default="touch,mmap,reuse,cycle")
     parser.add_argument("--cache", default="warm,cold")
     args = parser.parse_args()
     CACHES[:] = args.cache.split(",")
-    parts = {"touch": part_touch, "mmap": part_mmap, "reuse": part_reuse, "advice": part_advice}
+    parts = {
+        "touch": part_touch,
+        "mmap": part_mmap,
+        "reuse": part_reuse,
+        "advice": part_advice,
+        "cycle": part_cycle,
+    }
     for name in args.parts.split(","):
         parts[name](args.path, args.repeat)
     return 0

@@ -20,6 +20,7 @@ from service.api.metrics import Metrics
 from service.api.routes import devices, events, files, health, loads, metrics, models, plans
 from service.api.server import connection_limit
 from service.api.settings import Settings, preload_specs
+from service.io.buffer_cache import HOST_BUFFER_CACHE
 from service.loader.devices import discover_devices
 from service.loader.gguf import HeaderLimits
 
@@ -65,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         devices = discover_devices(settings.emulated_devices, cuda=settings.cuda)
+        HOST_BUFFER_CACHE.configure(settings.host_buffer_cache_bytes)
         jobs = JobManager(str(settings.models_dir), devices, limits_from(settings))
         telemetry.loads.bind(devices)
         jobs.runner.observer = telemetry.loads
@@ -76,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await jobs.close()
             telemetry.close()
+            HOST_BUFFER_CACHE.configure(0)
 
     # /docs and /redoc with Swagger UI's and ReDoc's assets served from
     # /static-offline-docs (no CDN); no online validator badge either

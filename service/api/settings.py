@@ -118,6 +118,13 @@ class Settings(BaseSettings):
     with ``work_limit_exceeded``, releasing what it took (``HOIST_LOAD_TIMEOUT_S``; 0: no
     limit)."""
 
+    host_buffer_cache_bytes: int = Field(default=4 << 30, ge=0, le=1 << 50)
+    """Bytes of freed large host buffers kept, pages touched, for the next load of a
+    model of the same buffer sizes (a reload fills them instead of faulting in fresh
+    pages); counted as held by hoist and dropped after a minute without loads or unloads,
+    when host memory runs low, or when a load needs the memory
+    (``HOIST_HOST_BUFFER_CACHE_BYTES``; 0: none kept)."""
+
     file_check_interval_s: float = Field(default=2.0, ge=0, le=3600)
     """How often the files of resident models with mapped tensors are checked; a model
     whose file shrank or was rewritten is unloaded before anything reads its pages

@@ -10,6 +10,7 @@ import numpy as np
 
 from service.io import libc
 from service.io.align import (
+    BACKGROUND_TOUCH_MIN,
     HUGE_PAGE_SIZE,
     HUGE_PAGES,
     LARGE_BUFFER,
@@ -119,12 +120,17 @@ def host_array(nbytes: int) -> tuple[np.ndarray[tuple[int], np.dtype[np.uint8]],
     :func:`~service.io.align.first_touch_policy`, for buffers of at least
     :data:`~service.io.align.LARGE_BUFFER` bytes).
 
-    Returns the array and, under the ``background`` policy, the helper faulting its pages
-    in; the owner closes the helper before it frees the array.
+    Returns the array and, under the ``background`` policy for buffers of at least
+    :data:`~service.io.align.BACKGROUND_TOUCH_MIN` bytes, the helper faulting its pages
+    in, ahead of the position the reads report (:meth:`TouchAhead.advance`; it starts at
+    the buffer's start and has no limit on its lead); the owner closes the helper before
+    it frees the array.
     """
     if nbytes < LARGE_BUFFER:
         return aligned_empty(nbytes), None
     policy = first_touch_policy()
+    if policy == "background" and nbytes < BACKGROUND_TOUCH_MIN:
+        policy = "on-read"
     array = aligned_empty(
         nbytes,
         HUGE_PAGE_SIZE if HUGE_PAGES else PAGE_SIZE,

@@ -141,6 +141,10 @@ def test_host_array_follows_the_policy(monkeypatch: pytest.MonkeyPatch, policy: 
     small, helper = host_array(4096)
     assert helper is None and small.ctypes.data % 4096 == 0
     nbytes = align.LARGE_BUFFER + 12345
+    monkeypatch.setattr(touch, "BACKGROUND_TOUCH_MIN", nbytes + 1)
+    _, below = host_array(nbytes)  # under the helper's threshold: touched on read
+    assert below is None
+    monkeypatch.setattr(touch, "BACKGROUND_TOUCH_MIN", nbytes)
     big, helper = host_array(nbytes)
     assert big.nbytes == nbytes and big.ctypes.data % HUGE_PAGE_SIZE == 0
     assert (helper is not None) == (policy == "background")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from service.io.align import LARGE_BUFFER
+from service.io.buffer_cache import HOST_BUFFER_CACHE, size_class
 from service.io.meter import HOST_MEMORY, MemoryMeter
 
 if TYPE_CHECKING:  # numpy is imported with the first buffer, not with the devices
@@ -206,20 +209,45 @@ class HostBuffer(ArrayBuffer):
     """A buffer in host memory (the ``CPU`` buffer type, or a device's host buffer type),
     aligned to 4096 bytes; a large one is placed and first touched as the host buffer
     policy says (:func:`service.io.touch.host_array`: huge pages, pages faulted in by a
-    helper thread while it is filled)."""
+    helper thread while it is filled), or is a freed one of the same size class taken
+    from :data:`~service.io.buffer_cache.HOST_BUFFER_CACHE` (pages touched already, bytes
+    of its last load still in it), and goes back there when freed unless a view of it is
+    still alive."""
 
     def __init__(self, buffer_type: BufferType, nbytes: int) -> None:
         from service.io.touch import host_array
 
-        data, toucher = host_array(nbytes)
-        self._toucher: TouchAhead | None = toucher
-        super().__init__(buffer_type, data)
+        cache = HOST_BUFFER_CACHE
+        toucher: TouchAhead | None = None
+        whole = cache.take(nbytes) if nbytes >= LARGE_BUFFER and cache.cap else None
+        self.reused = whole is not None
+        """The memory came from the cache (it holds a previous buffer's bytes)."""
+        if whole is None:
+            whole, toucher = host_array(size_class(nbytes) if nbytes >= LARGE_BUFFER else nbytes)
+        self._toucher = toucher
+        self._whole: np.ndarray[Any, np.dtype[np.uint8]] | None = whole if nbytes >= LARGE_BUFFER else None
+        super().__init__(buffer_type, whole[:nbytes])
+
+    def reads_reached(self, offset: int) -> None:
+        """The reads filling the buffer have started on every byte before ``offset``: the
+        touch helper, if any, goes on from there (pages before it fault in as the reads
+        write them)."""
+        if self._toucher is not None:
+            self._toucher.advance(offset)
 
     def _free(self) -> None:
         if self._toucher is not None:
             self._toucher.close()  # it holds the memory until it stops
             self._toucher = None
+        whole, self._whole = self._whole, None
+        if self._data is None:
+            return
         super()._free()
+        if whole is not None and whole.base is not None:
+            # kept only when nothing else views it: with the buffer's own view gone, its
+            # memory's owner is referenced by ``whole`` alone (and the call's argument)
+            if sys.getrefcount(whole.base) == 2:
+                HOST_BUFFER_CACHE.put(whole)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import numpy as np
 from service.errors import StorageError
 from service.io.align import aligned_empty
 from service.io.staging import FutureWaitable
+from service.loader.devices.base import HostBuffer
 from service.loader.pipeline.extents import Extent
 
 if TYPE_CHECKING:
@@ -114,6 +115,13 @@ class Lazy(Handler):
 class Read(Handler):
     """Host tensors read straight into their buffer: buffered, or direct reads of the
     aligned superset whose head and tail land in the slack around the run."""
+
+    def touch_ahead(self, extent: Extent) -> None:
+        """Tell the destination's touch helper that the reads have reached ``extent``:
+        it skips what they write themselves and faults in the pages after it."""
+        dest = extent.first.dest
+        if isinstance(dest, HostBuffer):
+            dest.reads_reached(extent.dest_offset - (extent.lo - extent.read_lo))
 
     def read(self, extent: Extent, ticket: Any) -> None:
         job = extent.first
