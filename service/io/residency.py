@@ -96,3 +96,35 @@ def resident_bytes(pages: np.ndarray[tuple[int], np.dtype[np.bool_]], offset: in
     weights[0] -= offset - align_down(offset, PAGE_SIZE)
     weights[-1] -= align_up(offset + nbytes, PAGE_SIZE) - (offset + nbytes)
     return int(weights[pages].sum())
+
+
+class ResidencyMap:
+    """Residency of a file's pages taken once, answering "how many bytes of ``[lo, hi)``
+    were resident" in constant time (a prefix sum over the pages), for counting every
+    extent of a load without a pass over its pages each time.
+
+    Args:
+        first: the file page (offset / page size) that ``pages[0]`` describes.
+        pages: residency per page, as :func:`resident_pages` returns it.
+    """
+
+    def __init__(self, first: int, pages: np.ndarray[tuple[int], np.dtype[np.bool_]]) -> None:
+        self.first = first
+        self.pages = pages
+        self._prefix = np.concatenate(([0], np.cumsum(pages, dtype=np.int64)))
+
+    def resident_bytes(self, lo: int, hi: int) -> int:
+        """Bytes of ``[lo, hi)`` in pages that were resident; bytes outside the pages
+        probed count as not resident."""
+        lo = max(lo, self.first * PAGE_SIZE)
+        hi = min(hi, (self.first + len(self.pages)) * PAGE_SIZE)
+        if hi <= lo:
+            return 0
+        p0 = lo // PAGE_SIZE - self.first
+        p1 = (hi - 1) // PAGE_SIZE - self.first
+        total = int(self._prefix[p1 + 1] - self._prefix[p0]) * PAGE_SIZE
+        if self.pages[p0]:
+            total -= lo - (p0 + self.first) * PAGE_SIZE
+        if self.pages[p1]:
+            total -= (p1 + 1 + self.first) * PAGE_SIZE - hi
+        return total

@@ -30,11 +30,6 @@ PROBE_STEP = 1 << 30
 Identity = tuple[int, int, int, int]
 
 
-def _sub(pages: np.ndarray[Any, Any], first: int, lo: int, hi: int) -> np.ndarray[Any, Any]:
-    """The part of ``pages`` (from file page ``first``) covering ``[lo, hi)``."""
-    return pages[align_down(lo, PAGE_SIZE) // PAGE_SIZE - first : align_up(hi, PAGE_SIZE) // PAGE_SIZE - first]
-
-
 class SourceFiles:
     """The load's open model files (direct or buffered) and the descriptors validation
     reads mapped tensors through; every file checked to be the one whose header was
@@ -55,7 +50,7 @@ class SourceFiles:
         self._trusted: dict[int, bool] = {}
         self._bounces: dict[int, np.ndarray[Any, np.dtype[np.uint8]]] = {}
         self._lock = threading.Lock()
-        self._before: dict[int, tuple[int, np.ndarray[Any, Any]]] = {}
+        self._before: dict[int, residency.ResidencyMap] = {}
 
     def open(self, job: TensorJob) -> DirectFile:
         """The file of ``job``, opened on first use (on the coordinating thread).
@@ -112,7 +107,7 @@ class SourceFiles:
             return
         finally:
             os.close(fd)
-        self._before[file_index] = (align_down(lo, PAGE_SIZE) // PAGE_SIZE, np.concatenate(parts))
+        self._before[file_index] = residency.ResidencyMap(align_down(lo, PAGE_SIZE) // PAGE_SIZE, np.concatenate(parts))
 
     def count(self, file_index: int, lo: int, hi: int, *, buffered: bool) -> None:
         """Count ``[lo, hi)`` of the file as read: from the cache for the pages that were
@@ -126,8 +121,7 @@ class SourceFiles:
         if before is None:
             self.stats.count_source(0, 0, hi - lo)
             return
-        first, pages = before
-        cache = residency.resident_bytes(_sub(pages, first, lo, hi), lo, hi - lo)
+        cache = before.resident_bytes(lo, hi)
         self.stats.count_source(cache, hi - lo - cache)
 
     def _count_parts(
