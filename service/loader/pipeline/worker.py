@@ -73,14 +73,17 @@ class Readers:
         self.clock = clock
         self._pool = ThreadPoolExecutor(n, thread_name_prefix="hoist-read") if n > 1 else None
 
-    def start(self, work: Callable[[Extent, Any], None], extent: Extent, ticket: Any) -> Future[None] | _Done:
-        """Run ``work(extent, ticket)``: now, or on a reader thread."""
+    def start(
+        self, work: Callable[[Extent, Any], None], extent: Extent, ticket: Any, *, inline: bool = False
+    ) -> Future[None] | _Done:
+        """Run ``work(extent, ticket)``: now (``inline``, or one read in flight), or on a
+        reader thread."""
 
         def timed() -> None:
             with self.clock.busy(extent.nbytes):
                 work(extent, ticket)
 
-        if self._pool is None:
+        if self._pool is None or inline:
             timed()
             return _Done()
         return self._pool.submit(timed)
@@ -255,7 +258,9 @@ class Worker:
                 break
             if key is not None:
                 held[key] = held.get(key, 0) + 1
-            in_flight.append((extent, handler, ticket, self.readers.start(handler.read, extent, ticket), key))
+            in_flight.append(
+                (extent, handler, ticket, self.readers.start(handler.read, extent, ticket, inline=handler.inline), key)
+            )
             if i + 1 < len(extents):
                 # hook: the next extent's destination can be readied while this read runs
                 self.handlers[extents[i + 1].branch].touch_ahead(extents[i + 1])
