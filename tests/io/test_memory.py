@@ -99,7 +99,17 @@ def _wait_for(cond: object) -> None:
 
 
 def test_touch_ahead_stays_within_its_lead_and_skips_what_the_writer_passed() -> None:
-    buf = aligned_empty(FRESH, huge=False)
+    import mmap
+
+    # a fresh anonymous mapping: the allocator may hand out heap pages touched before
+    region = mmap.mmap(-1, FRESH, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        _touch_ahead_within_lead(np.frombuffer(region, dtype=np.uint8))
+    finally:
+        region.close()
+
+
+def _touch_ahead_within_lead(buf: np.ndarray) -> None:
     mib = 1 << 20
     with TouchAhead(buf, extent=mib, lead=4 * mib) as ahead:
         _wait_for(lambda: ahead.touched >= 4 * mib)
