@@ -5,9 +5,9 @@ use (the service starts without them)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from service.lazy import lazy_exports
 from service.loader.gguf.limits import HeaderLimits
 
 if TYPE_CHECKING:
@@ -28,10 +28,4 @@ _HOME = {
 """The module of this package that defines each lazily exported name."""
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _HOME)

@@ -22,8 +22,9 @@ from :mod:`.load`, with numpy, the planner and the loader thread's modules.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from service.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from service.loader.pipeline.load import check_budget, check_loadable, load_model, load_plan, staging_nbytes
@@ -63,10 +64,4 @@ _HOME = {
 """The module of this package that defines each exported name."""
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _HOME)

@@ -7,11 +7,11 @@ here, the rest on access.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from service.lazy import lazy_exports
 from service.loader.modes import FlagValue, LazyMode, LoadMode, SplitMode
 
 if TYPE_CHECKING:
@@ -65,13 +65,7 @@ _HOME = {
 """The module of this package that defines each lazily exported name."""
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _HOME)
 
 
 class _Package(types.ModuleType):
