@@ -13,15 +13,13 @@ gives an error, never SIGBUS.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from service.errors import StorageError
-from service.loader.pipeline.layout import TensorJob
+from service.loader.pipeline.layout import TensorJob, pread_tensor
 from service.loader.pipeline.stats import StageClock
 
 ALGORITHM = "xxh3_64"
@@ -90,15 +88,7 @@ class Hashers:
         def update() -> None:
             for start in range(0, job.nbytes, step):
                 n = min(step, job.nbytes - start)
-                data = os.pread(fd, n, job.offset + start)
-                if len(data) < n:
-                    raise StorageError(
-                        f"unexpected end of file in the data of tensor '{job.name}' (did the file shrink?)",
-                        path=job.path,
-                        offset=job.offset + start + len(data),
-                        tensor=job.name,
-                    )
-                self._feed(job, data)
+                self._feed(job, pread_tensor(job, fd, start, n))
             if job.nbytes == 0:
                 self._feed(job, b"")
 

@@ -19,6 +19,7 @@ staged tensors come first, biggest first.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -76,6 +77,25 @@ class TensorJob:
     device: Device | None = None
     lock: MemoryLock | None = None
     in_place: bool = False
+
+
+def pread_tensor(job: TensorJob, fd: int, start: int, n: int) -> bytes:
+    """``n`` bytes of ``job``'s data from its byte ``start``, read from ``fd`` (its file)
+    with ``pread``, never through a mapping: a file that shrank gives an error, not
+    SIGBUS.
+
+    Raises:
+        StorageError: the file ends before those bytes (naming the tensor and offset).
+    """
+    data = os.pread(fd, n, job.offset + start)
+    if len(data) < n:
+        raise StorageError(
+            f"unexpected end of file in the data of tensor '{job.name}' (did the file shrink?)",
+            path=job.path,
+            offset=job.offset + start + len(data),
+            tensor=job.name,
+        )
+    return data
 
 
 class Resources:

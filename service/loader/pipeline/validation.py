@@ -8,15 +8,13 @@ the mapping: a file that shrinks meanwhile then gives an error, never SIGBUS.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from service.errors import StorageError
 from service.loader.ggml_types import GGML_TYPES_BY_NAME
-from service.loader.pipeline.layout import TensorJob
+from service.loader.pipeline.layout import TensorJob, pread_tensor
 from service.loader.pipeline.stats import StageClock
 from service.loader.validate import InvalidData, validate_row_data
 
@@ -83,15 +81,7 @@ class Validators:
             for start in range(0, job.nbytes, step):
                 n = min(step, job.nbytes - start)
                 with self.clock.busy(n):
-                    data = os.pread(fd, n, job.offset + start)
-                    if len(data) < n:
-                        raise StorageError(
-                            f"unexpected end of file in the data of tensor '{job.name}' (did the file shrink?)",
-                            path=job.path,
-                            offset=job.offset + start + len(data),
-                            tensor=job.name,
-                        )
-                    found = validate_row_data(job.ggml_type, data)
+                    found = validate_row_data(job.ggml_type, pread_tensor(job, fd, start, n))
                 if found is not None:
                     return InvalidData(found.reason, found.offset + start)
             return None
