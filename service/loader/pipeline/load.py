@@ -20,22 +20,11 @@ from service.loader.ggml_types import GGML_TYPES_BY_NAME, numpy_dtype, numpy_sha
 from service.loader.model import BufferInfo, LoadedModel, LoadedTensor, MemoryReport
 from service.loader.pipeline.boundary import run_loader
 from service.loader.pipeline.layout import Resources, build
-from service.loader.pipeline.options import (
-    DEFAULT_CHUNK_NBYTES,
-    DEFAULT_STAGING_BUFFERS,
-    LoadOptions,
-    Progress,
-    ProgressCallback,
-)
+from service.loader.pipeline.options import LoadOptions, ProgressCallback
 from service.loader.placement import LoadMode, MemorySnapshot, PlacementParams, Plan, TensorPlacement, plan
 from service.loader.weights import WeightIndex
 
 __all__ = [
-    "DEFAULT_CHUNK_NBYTES",
-    "DEFAULT_STAGING_BUFFERS",
-    "LoadOptions",
-    "Progress",
-    "ProgressCallback",
     "check_budget",
     "check_loadable",
     "staging_nbytes",
