@@ -4,6 +4,7 @@ mode; progress; cancellation and closing release everything."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,35 @@ async def test_progress_is_monotonic_and_complete(aligned_fixture: Fixture, mode
     assert all(b > a for a, b in zip(done, done[1:], strict=False))
     assert {p.bytes_total for p in seen} == {index.nbytes}
     assert len(seen) > len(index)  # chunks smaller than tensors report inside a tensor
+
+
+async def test_progress_wakes_the_loop_once_for_chunks_it_has_not_taken(aligned_fixture: Fixture) -> None:
+    # a slow callback: chunks finish while the loop is busy with the last one; each
+    # still gets its callback, in order, but they cross to the loop together
+    loop = asyncio.get_running_loop()
+    index = open_model(aligned_fixture.path)
+    wakeups = [0]
+    posted = loop.call_soon_threadsafe
+
+    def counting(callback: Any, *args: Any, **kwargs: Any) -> Any:
+        wakeups[0] += 1
+        return posted(callback, *args, **kwargs)
+
+    seen: list[int] = []
+
+    def slow(p: Progress) -> None:
+        seen.append(p.bytes_done)
+        time.sleep(0.002)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        with await load_model(index, load_mode="none", on_progress=slow, chunk_nbytes=64):
+            pass
+    finally:
+        del loop.call_soon_threadsafe
+    assert seen[-1] == index.nbytes and all(b > a for a, b in zip(seen, seen[1:], strict=False))
+    assert len(seen) > len(index)
+    assert wakeups[0] < len(seen) - 1  # the final result is one more post
 
 
 def test_memory_report_lines_follow_llama_cpp_format() -> None:

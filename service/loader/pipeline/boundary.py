@@ -50,17 +50,30 @@ async def run_loader(
     state = {"done": 0, "by_callback": False}
     by_device = dict.fromkeys(device_of, 0)
 
-    def deliver(n: int, index: int) -> None:
-        state["done"] += n
-        by_device[device_of[index]] += n
-        if on_progress is not None and not cancel.is_set():
-            if on_progress(Progress(state["done"], total, dict(by_device))) is False:
-                state["by_callback"] = True
-                cancel.set()
+    pending: list[tuple[int, int]] = []
+    pending_lock = threading.Lock()
+
+    def deliver() -> None:
+        with pending_lock:
+            done = pending[:]
+            pending.clear()
+        for n, index in done:
+            state["done"] += n
+            by_device[device_of[index]] += n
+            if on_progress is not None and not cancel.is_set():
+                if on_progress(Progress(state["done"], total, dict(by_device))) is False:
+                    state["by_callback"] = True
+                    cancel.set()
 
     def report(n: int, index: int) -> None:
+        # chunks done while the loop has not yet taken the last ones are handed over
+        # together: one wake-up of the loop for all of them (a callback each)
         if n:
-            loop.call_soon_threadsafe(deliver, n, index)
+            with pending_lock:
+                pending.append((n, index))
+                if len(pending) > 1:
+                    return
+            loop.call_soon_threadsafe(deliver)
 
     worker = Worker(res.jobs, options, direct=direct, cancel=cancel, report=report, identities=identities)
 
