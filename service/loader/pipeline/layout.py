@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -227,27 +227,32 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
 
     for i, t in enumerate(p.tensors):
         file_mapping = res.mappings.get(t.file_index)
-        base = TensorJob(
-            i, t.name, t.ggml_type, t.file_index, index.files[t.file_index].path, t.offset, t.nbytes, "mapped",
-            file_mapping,
-        )  # fmt: skip
+        path = index.files[t.file_index].path
         if i not in dest_of:
             # in a context that wraps the mapping (zero-byte tensors fall in no range)
             assert file_mapping is not None
             res.views[i] = file_mapping.array(t.offset, t.nbytes)
-            job = replace(base, branch="lazy" if t.lazy else "mapped", lock=file_locks.get(t.file_index))
+            job = TensorJob(
+                i, t.name, t.ggml_type, t.file_index, path, t.offset, t.nbytes, "lazy" if t.lazy else "mapped",
+                file_mapping, lock=file_locks.get(t.file_index),
+            )  # fmt: skip
         else:
             buf, off, dev = dest_of[i]
             res.views[i] = buf.view(off, t.nbytes)
-            placed = replace(base, dest=buf, dest_offset=off)
+            branch: Branch
             if p.use_mmap:
-                job = replace(placed, branch="copy")
+                branch = "copy"
             elif buf.buffer_type.is_host:
-                job = replace(placed, branch="read", mapping=None, in_place=i in in_place)
+                branch, file_mapping = "read", None
             elif dev.can_stage and buf.buffer_type is dev.default_buffer_type:
-                job = replace(placed, branch="staged", mapping=None, device=dev)
+                branch, file_mapping = "staged", None
             else:
-                job = replace(placed, branch="sync", mapping=None, device=dev)
+                branch, file_mapping = "sync", None
+            job = TensorJob(
+                i, t.name, t.ggml_type, t.file_index, path, t.offset, t.nbytes, branch, file_mapping,
+                dest=buf, dest_offset=off, device=dev if branch in ("staged", "sync") else None,
+                in_place=branch == "read" and i in in_place,
+            )  # fmt: skip
         res.jobs.append(job)
     res.jobs = order_jobs(res.jobs, p)
 
