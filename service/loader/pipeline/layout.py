@@ -259,7 +259,8 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
 
 def order_jobs(jobs: list[TensorJob], p: Plan) -> list[TensorJob]:
     """Load order: contexts in order (without mmap, device contexts before host ones);
-    within a context, without mmap, staged tensors first and biggest first."""
+    within a context, with mmap, file order; without, staged tensors first and biggest
+    first."""
 
     def on_device(job: TensorJob) -> bool:
         return job.dest is not None and not job.dest.buffer_type.is_host
@@ -269,7 +270,9 @@ def order_jobs(jobs: list[TensorJob], p: Plan) -> list[TensorJob]:
         by_context.setdefault(p.tensors[job.index].context, []).append(job)
     contexts = [by_context[k] for k in sorted(by_context)]
     if p.use_mmap:
-        return [job for ctx in contexts for job in ctx]
+        # in file order: neighbours in the file share an extent, and the pages come in
+        # in the order the read-ahead brings them
+        return [job for ctx in contexts for job in sorted(ctx, key=lambda j: (j.file_index, j.offset))]
     contexts.sort(key=lambda ctx: not any(on_device(j) for j in ctx))
     out: list[TensorJob] = []
     for ctx in contexts:
