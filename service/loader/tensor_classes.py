@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import cache
+from functools import cache, lru_cache
 from typing import Literal
 
 from service.loader.tensor_table import ARCHITECTURES, KINDS, LORA_EXPERTS, SUFFIXES, TIED_OUTPUT
@@ -145,11 +145,21 @@ class ArchitectureTable:
     templates: dict[str, str]
     tied_output: bool
     lora_experts: bool
+    _seen: dict[str, TensorClass] = field(default_factory=dict, compare=False, repr=False)
 
     def classify(self, name: str) -> TensorClass:
         """The layer class and op of the weight ``name`` (llama.cpp's
         ``llm_tensor_info_for`` and the op choice of ``create_tensor``); see the module
-        docstring for names outside the table."""
+        docstring for names outside the table. Answers are kept for the next model of
+        the architecture (up to :data:`CLASSIFIED_KEPT` names)."""
+        found = self._seen.get(name)
+        if found is None:
+            found = self._classify(name)
+            if len(self._seen) < CLASSIFIED_KEPT:
+                self._seen[name] = found
+        return found
+
+    def _classify(self, name: str) -> TensorClass:
         template, first, suffix = _template_of(name)
         candidates: list[tuple[str, str | None]] = [(template, None)]
         if suffix is not None:
@@ -179,7 +189,11 @@ def _all_templates() -> dict[str, str]:
     return out
 
 
-@cache
+CLASSIFIED_KEPT = 1 << 16
+"""Weight names whose class one architecture's table keeps."""
+
+
+@lru_cache(maxsize=64)
 def table_for(architecture: str | None) -> ArchitectureTable:
     """The table of ``architecture`` (an unknown one gets an empty table, so every name
     is classified by the fallback rules)."""

@@ -418,3 +418,16 @@ def test_t5_loads_as_planned(tmp_path: Path, load_mode: str) -> None:
             w = index[name]
             assert t.data.tobytes() == raw[w.offset : w.end]
         assert model.tied_output is not None and model.tied_output.device == "EMU0"
+
+
+def test_kept_classes_are_the_computed_ones_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import service.loader.tensor_classes as tc
+
+    table = tc.ArchitectureTable("llama", True, dict(table_for("llama").templates), False, False)
+    names = ["token_embd.weight", "blk.3.attn_q.weight", "blk.3.ffn_up_exps.weight", "mystery.weight"]
+    monkeypatch.setattr(tc, "CLASSIFIED_KEPT", 2)
+    first = [table.classify(n) for n in names]
+    assert first == [table.classify(n) for n in names] == [table._classify(n) for n in names]
+    assert len(table._seen) == 2
+    # the shared table answers as a fresh one does
+    assert [table_for("llama").classify(n) for n in names] == first
