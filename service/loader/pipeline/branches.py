@@ -21,6 +21,7 @@ from service.io.align import aligned_empty
 from service.io.staging import FutureWaitable
 from service.loader.devices.base import HostBuffer
 from service.loader.pipeline.extents import Extent
+from service.loader.pipeline.layout import TensorJob
 
 if TYPE_CHECKING:
     from service.loader.pipeline.worker import Worker
@@ -72,6 +73,17 @@ class Handler:
         self.load.report_pieces(extent)
 
 
+def _check_file(load: Worker, jobs: list[TensorJob]) -> None:
+    """Validate and hash ``jobs`` (whole tensors) from their file, where the load does
+    (a descriptor is opened only then)."""
+    if not (load.validators.enabled or load.hashers.enabled):
+        return
+    for job in jobs:
+        fd = load.files.check_fd(job)
+        load.validators.file(job, fd)
+        load.hashers.file(job, fd)
+
+
 class Mapped(Handler):
     """Tensors in a ``CPU_Mapped`` buffer: their pages are faulted in (and locked under
     ``mmap+mlock``); the residency before faulting tells cache from disk.
@@ -98,11 +110,7 @@ class Mapped(Handler):
             raise StorageError(exc.message, path=exc.path, offset=exc.offset, tensor=job.name) from exc
 
     def complete(self, extent: Extent, ticket: Any) -> None:
-        for piece in extent.pieces:
-            if piece.completes:
-                self.load.validators.file(piece.job, self.load.files.check_fd(piece.job))
-                if self.load.hashers.enabled:
-                    self.load.hashers.file(piece.job, self.load.files.check_fd(piece.job))
+        _check_file(self.load, [p.job for p in extent.pieces if p.completes])
         self.load.report_pieces(extent)
         lock = extent.first.lock
         if lock is not None and extent.hi > extent.lo:
@@ -116,10 +124,7 @@ class Lazy(Handler):
     with check-tensors)."""
 
     def complete(self, extent: Extent, ticket: Any) -> None:
-        for piece in extent.pieces:
-            self.load.validators.file(piece.job, self.load.files.check_fd(piece.job))
-            if self.load.hashers.enabled:
-                self.load.hashers.file(piece.job, self.load.files.check_fd(piece.job))
+        _check_file(self.load, [p.job for p in extent.pieces])
         self.load.report_pieces(extent)
 
 
@@ -179,11 +184,7 @@ class Copy(Handler):
             job.dest.write(extent.dest_offset, scratch)
 
     def complete(self, extent: Extent, ticket: Any) -> None:
-        for piece in extent.pieces:
-            if piece.completes:
-                self.load.validators.file(piece.job, self.load.files.check_fd(piece.job))
-                if self.load.hashers.enabled:
-                    self.load.hashers.file(piece.job, self.load.files.check_fd(piece.job))
+        _check_file(self.load, [p.job for p in extent.pieces if p.completes])
         self.load.report_pieces(extent)
 
 
