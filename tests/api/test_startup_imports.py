@@ -163,3 +163,33 @@ print(json.dumps(out))
     assert out["all"] == []
     assert "has no attribute 'nothing'" in out["missing"]
 
+
+def test_the_collector_is_paused_for_the_start_only(tmp_path: Path) -> None:
+    """``hoist serve`` imports and builds with the cyclic collector paused, then serves
+    with it running and the start's objects frozen out of its passes; a start that
+    fails leaves it running too (checked in a fresh interpreter, the server stubbed)."""
+    code = """
+import gc, json, socket, sys
+import uvicorn
+from service.cli import main
+
+seen = {}
+def run(self, sockets=None):
+    seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count())
+uvicorn.Server.run = run
+served = main(["serve", "--models-dir", sys.argv[1], "--port", "0"])
+with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    failed = main(["serve", "--models-dir", sys.argv[1], "--port", str(busy.getsockname()[1])])
+    seen.update(failed=failed, enabled_after=gc.isenabled())
+seen["served"] = served
+print(json.dumps(seen))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen["served"] == 0 and seen["failed"] != 0
+    assert seen["enabled"] and seen["enabled_after"]
+    assert seen["frozen"] > 10_000  # the libraries' and the app's objects
