@@ -29,7 +29,7 @@ def _app(models_dir: Path, **kwargs: Any) -> FastAPI:
 
 
 def _operations(app: FastAPI) -> list[tuple[str, str, str]]:
-    """(path, method, endpoint name) of every operation the OpenAPI document gives, in
+    """(path, method, operationId) of every operation the OpenAPI document gives, in
     its order."""
     return [
         (path, method, op["operationId"]) for path, ops in app.openapi()["paths"].items() for method, op in ops.items()
