@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
 from fastapi_offline import FastAPIOffline
 
 from service import __version__
 from service.api import errors
 from service.api.auth import BearerAuth
+from service.api.deferred import DeferredRouters, IncludeOnFirstUse
 from service.api.head import HeadAsGet
 from service.api.jobs import JobManager, Limits
 from service.api.limits import BodyLimit
 from service.api.metrics import Metrics
-from service.api.routes import devices, events, files, health, loads, metrics, models, plans
+from service.api.routes import health
 from service.api.server import connection_limit
 from service.api.settings import Settings, preload_specs
 from service.io.buffer_cache import HOST_BUFFER_CACHE
@@ -53,8 +55,21 @@ def limits_from(settings: Settings) -> Limits:
     )
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def api_routers() -> Iterable[APIRouter]:
+    """The routers after the probes', in the order the app includes them (their modules
+    are imported here)."""
+    from service.api.routes import devices, events, files, loads, metrics, models, plans
+
+    return [module.router for module in (loads, events, plans, models, files, devices, metrics)]
+
+
+def create_app(settings: Settings | None = None, *, defer_routes: bool = True) -> FastAPI:
     """Build the app. Settings come from ``HOIST_*`` environment variables when not given.
+
+    With ``defer_routes``, only the probes' routes (``/healthz``, ``/readyz``) are
+    included now, and the others (:func:`api_routers`) on first use
+    (:mod:`~service.api.deferred`); either way the app serves the same routes with the
+    same OpenAPI document.
 
     Raises:
         pydantic.ValidationError: invalid settings (e.g. a missing models directory).
@@ -86,14 +101,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="hoist", version=__version__, lifespan=lifespan, swagger_ui_parameters={"validatorUrl": None}
     )
     errors.install(app)
-    routers = (health, loads, events, plans, models, files, devices, metrics)
-    for router in (r.router for r in routers):
-        app.include_router(router)
+    app.include_router(health.router)
+    probes = [route.path for route in health.router.routes if isinstance(route, APIRoute)]
+    deferred = DeferredRouters(app, api_routers, probes)
+    if not defer_routes:
+        deferred.include()
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if token is not None:
         app.add_middleware(BearerAuth, token=token)
     app.add_middleware(HeadAsGet)
     # outside the token check, so that refused requests are counted too
     telemetry.instrument(app)
+    # outside the metrics, which read the routes to label a request
+    app.add_middleware(IncludeOnFirstUse, routers=deferred)
     app.add_middleware(errors.UnhandledErrors)
     return app

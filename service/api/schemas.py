@@ -1,9 +1,10 @@
-"""Request and response bodies of the HTTP API (pydantic, at the boundary only)."""
+"""Request and response bodies of the HTTP API (pydantic, at the boundary only); the
+problem+json body is :mod:`~service.api.problem_schema`'s (re-exported here), and the
+probes' bodies are :mod:`~service.api.routes.health`'s, so that the probes are served
+without building these models."""
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, Literal, TypeAlias
@@ -13,6 +14,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 from service.api.callback_policy import MAX_CALLBACK_URL
 from service.api.callbacks import DEFAULT_EVENTS, CallbackSpec
 from service.api.keepalive import parse_keep_alive
+from service.api.problem_schema import COMMON_PROBLEMS as COMMON_PROBLEMS
+from service.api.problem_schema import Problem as Problem
+from service.api.problem_schema import problem_responses as problem_responses
 from service.api.spec import MAX_NAME, LoadSpec, PlacementFlags, check_name
 from service.errors import RequestError
 from service.loader.pipeline.options import LoadOptions
@@ -376,75 +380,6 @@ class TensorHashList(BaseModel):
 class ModelList(BaseModel):
     data: list[ModelListed]
     total: int = Field(description="Resident models in all (listed or not).")
-
-
-class Problem(BaseModel):
-    """An error (RFC 9457 ``application/problem+json``); ``code`` is stable, and the file,
-    key, tensor and byte offset are given where they apply."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-    title: str
-    status: int
-    detail: str
-    code: str
-    instance: str
-    path: str | None = None
-    offset: int | None = None
-    key: str | None = None
-    tensor: str | None = None
-    hint: str | None = None
-
-
-@functools.cache
-def _problem_schema_json() -> str:
-    return json.dumps(Problem.model_json_schema())
-
-
-def _problem_schema() -> dict[str, Any]:
-    """:class:`Problem`'s JSON schema, generated once (every route names it), a fresh copy
-    each time."""
-    schema: dict[str, Any] = json.loads(_problem_schema_json())
-    return schema
-
-
-def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI responses: each status answered with a :class:`Problem`."""
-    schema = _problem_schema()
-    described = {
-        400: "Invalid flags or path.",
-        401: "A bearer token is required (when the service has one).",
-        404: "No such job, model or model file.",
-        408: "The request was not received in time.",
-        409: "Conflicts with the state of the target, or does not fit the devices' memory.",
-        410: "No longer kept (the plan of an ended load job whose model is not resident).",
-        413: "The request body is too large.",
-        422: "Invalid request body, or a file that is not valid GGUF or cannot be loaded.",
-        429: "Too many loads queued or requests waiting (see Retry-After).",
-        431: "The request line and headers are too large.",
-        500: "Internal error.",
-        503: "Too many connections are open (see Retry-After), or not ready.",
-        507: "The server ran out of memory.",
-    }
-    return {
-        status: {"description": described[status], "content": {"application/problem+json": {"schema": schema}}}
-        for status in statuses
-    }
-
-
-COMMON_PROBLEMS = problem_responses(401, 408, 413, 431, 500, 503, 507)
-
-
-class Health(BaseModel):
-    status: Literal["ok"] = "ok"
-
-
-class Ready(BaseModel):
-    """``/readyz``: every preloaded model is resident."""
-
-    status: Literal["ready"] = "ready"
-    models: list[str] = Field(description="The preloaded models' names.")
 
 
 class ModelReady(BaseModel):

@@ -263,14 +263,14 @@ def preload_specs(value: str | None) -> list[LoadSpec]:
     Raises:
         ValueError: not valid JSON, a body the load schema refuses, or an empty path.
     """
+    if value is None or not value.strip():
+        return []  # without importing the load schema, which a start without preloads does not need
     import json
 
     from pydantic import TypeAdapter, ValidationError
 
     from service.api.schemas import LoadRequest
 
-    if value is None or not value.strip():
-        return []
     text = value.strip()
     try:
         if text.startswith("["):

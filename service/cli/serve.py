@@ -4,6 +4,7 @@ token, and whether the port can be bound."""
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import logging.config
 from pathlib import Path
@@ -83,20 +84,31 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """``hoist serve``: run the HTTP service until stopped."""
-    import uvicorn
+    """``hoist serve``: run the HTTP service until stopped.
 
-    from service.api.app import create_app
-    from service.api.server import raise_open_files_limit, server_config
-    from service.logs import log_config
+    The cyclic garbage collector is paused while the libraries are imported and the app
+    is built (they make a great many long-lived objects and almost no garbage, and its
+    passes over them took a tenth of the start); what they made is then frozen out of
+    its later passes (:func:`gc.freeze`), and it runs as usual while serving."""
+    gc.disable()
+    try:
+        import uvicorn
 
-    settings = settings_for(args, args.models_dir)
-    logging.config.dictConfig(log_config(settings.log_format, args.log_level))  # before anything logs
-    check_exposure(args.host, settings)
-    # uvicorn sets its own loggers' level; hoist's follow the same flag
-    logging.getLogger("service").setLevel(args.log_level.upper())
-    raise_open_files_limit()
-    app = create_app(settings)
-    check_port_free(args.host, args.port)
-    uvicorn.Server(server_config(app, settings, host=args.host, port=args.port, log_level=args.log_level)).run()
+        from service.api.app import create_app
+        from service.api.server import raise_open_files_limit, server_config
+        from service.logs import log_config
+
+        settings = settings_for(args, args.models_dir)
+        logging.config.dictConfig(log_config(settings.log_format, args.log_level))  # before anything logs
+        check_exposure(args.host, settings)
+        # uvicorn sets its own loggers' level; hoist's follow the same flag
+        logging.getLogger("service").setLevel(args.log_level.upper())
+        raise_open_files_limit()
+        app = create_app(settings)
+        check_port_free(args.host, args.port)
+        server = uvicorn.Server(server_config(app, settings, host=args.host, port=args.port, log_level=args.log_level))
+    finally:
+        gc.freeze()
+        gc.enable()
+    server.run()
     return 0

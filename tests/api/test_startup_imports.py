@@ -1,7 +1,8 @@
 """What the service imports before it answers its first request: the callback client
 (httpx, with its command-line extras), the server-sent-events library, the websocket
-protocol, the settings fields' source, numpy and the loader's planner, weight index,
-header reader and pipeline are left until used (checked in a fresh interpreter through
+protocol, the settings fields' source, numpy, the loader's planner, weight index,
+header reader and pipeline, and the routes other than the probes' (with their request and
+response models) are left until used (checked in a fresh interpreter through
 ``sys.modules``; the time this saves is shown by bench/startup.py)."""
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ LOADER = {
 }
 """Modules of the loader a plan or a load imports, and the start does not."""
 
+ROUTES = {
+    "service.api.schemas",
+    "service.api.event_schema",
+    *(f"service.api.routes.{name}" for name in ("loads", "events", "plans", "models", "files", "devices", "metrics")),
+}
+"""The routes after the probes' and their bodies, built on the first request for them."""
+
 
 def start(models: Path, *then: str) -> dict[str, Any]:
     result = subprocess.run(
@@ -82,6 +90,8 @@ def test_ready_without_the_callback_client_or_the_event_stream(tmp_path: Path) -
     assert not started & LATER
     assert "service.loader.devices" in report["started"]  # the lifespan found the devices
     assert not set(report["started"]) & LOADER
+    assert not set(report["started"]) & ROUTES
+    assert "service.api.routes.health" in report["started"]
 
 
 def test_the_first_header_read_imports_what_the_start_left(tmp_path: Path) -> None:
@@ -96,6 +106,7 @@ def test_the_first_header_read_imports_what_the_start_left(tmp_path: Path) -> No
     listed = json.loads(report["body"])["data"]
     assert [(f["path"], f["architecture"], f["error"]) for f in listed] == [("m.gguf", "gemma3", None)]
     assert {"service.loader.weights", "service.loader.gguf.reader"} <= set(report["after"])
+    assert ROUTES <= set(report["after"])
 
 
 def test_the_openapi_document_needs_neither(tmp_path: Path) -> None:
@@ -151,3 +162,34 @@ print(json.dumps(out))
     assert out["plan_is_function"] and out["placement"] and out["pipeline"] and out["gguf"]
     assert out["all"] == []
     assert "has no attribute 'nothing'" in out["missing"]
+
+
+def test_the_collector_is_paused_for_the_start_only(tmp_path: Path) -> None:
+    """``hoist serve`` imports and builds with the cyclic collector paused, then serves
+    with it running and the start's objects frozen out of its passes; a start that
+    fails leaves it running too (checked in a fresh interpreter, the server stubbed)."""
+    code = """
+import gc, json, socket, sys
+import uvicorn
+from service.cli import main
+
+seen = {}
+def run(self, sockets=None):
+    seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count())
+uvicorn.Server.run = run
+served = main(["serve", "--models-dir", sys.argv[1], "--port", "0"])
+with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    failed = main(["serve", "--models-dir", sys.argv[1], "--port", str(busy.getsockname()[1])])
+    seen.update(failed=failed, enabled_after=gc.isenabled())
+seen["served"] = served
+print(json.dumps(seen))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen["served"] == 0 and seen["failed"] != 0
+    assert seen["enabled"] and seen["enabled_after"]
+    assert seen["frozen"] > 10_000  # the libraries' and the app's objects

@@ -3,14 +3,28 @@ the preloaded models are resident)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from service.api.deps import JobsDep
 from service.api.errors import problem
-from service.api.schemas import Health, Ready, problem_responses
+from service.api.problem_schema import problem_responses
 
 router = APIRouter(tags=["health"])
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Ready(BaseModel):
+    """``/readyz``: every preloaded model is resident."""
+
+    status: Literal["ready"] = "ready"
+    models: list[str] = Field(description="The preloaded models' names.")
 
 
 @router.get("/healthz", response_model=Health)
