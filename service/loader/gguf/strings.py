@@ -11,12 +11,15 @@ Every byte position of the block whose eight bytes could be a valid length (at m
 ``GGUF_MAX_STRING_LENGTH``: the four high bytes are zero) is a candidate; its successor is
 ``position + 8 + length``.
 
-In the usual case the length prefixes are exactly the candidates that end a run of
-consecutive candidates (the few bytes before a prefix, read with its zero bytes, look like
-lengths too; the byte after it is the string's first byte, which is not zero). That set
-is taken when each member's successor is the next member, up to one whose successor lies
-past the block: the first member is the block's start, each other one the successor of
-an element, so each is an element.
+In the usual case (no string is empty or holds a zero byte, as in a vocabulary) the
+length prefixes are exactly the candidates that end a run of consecutive candidates in a
+little-endian file (the few bytes before a prefix, read with its zero bytes, look like
+lengths too; the byte after it is the string's first byte, which is not zero), and those
+that start one in a big-endian file (the byte before a prefix is the previous string's
+last one, not zero; the next few positions read its zero bytes). The chain is followed
+through that set from the block's start while each member's successor is the next
+member: the first member is the block's start, each other one the successor of an
+element, so each is an element (:func:`usual_chain`).
 
 Otherwise (empty strings, strings that start with or hold zero bytes) the candidates are
 pruned until nothing changes: one is kept only if it is the block's first position or
@@ -30,8 +33,9 @@ and successor are chain elements too). A chain element whose length is invalid i
 candidate, so everything before it is pruned back to the start: the caller then walks
 that part one string at a time and reports the error where it is.
 
-The block must lie inside the array (the caller bounds it by 8 bytes per string that
-remains), so no element found belongs to what follows the array.
+For :func:`chain_in_block` the block must lie inside the array (the caller bounds it by
+8 bytes per string that remains), so no element found belongs to what follows the array;
+:func:`usual_chain` takes a block that may run past it.
 """
 
 from __future__ import annotations
@@ -73,8 +77,7 @@ def chain_in_block(block: bytes | memoryview, max_count: int, byte_order: str) -
 
 def usual_chain(block: bytes | memoryview, max_count: int, byte_order: str) -> tuple[int, int]:
     """The elements of a string array that start in ``block`` and the usual case finds
-    (the length prefixes are the last candidates of their runs), up to the first element
-    after which it does not hold.
+    (see the module's docstring), up to the first element after which it does not hold.
 
     Unlike :func:`chain_in_block`, ``block`` may run past the end of the array (into the
     KV pairs or tensor infos that follow): the chain is followed from the block's start
@@ -114,19 +117,21 @@ def _candidates(block: bytes | memoryview, byte_order: str) -> tuple[Any, Any, i
 
 
 def _usual_chain(buf: Any, candidate: Any, m: int, max_count: int, little: bool) -> tuple[int, int]:
-    """The usual case: a length prefix is the last of a run of candidates (the bytes
-    before it, read with its zeros, look like small lengths too; the position after it
-    reads the string's first byte among the high bytes). The chain is followed through
-    those positions from the block's start while each element's successor is the next of
-    them: every element so reached is one (the first is the block's start, each other
-    the successor of an element), and the last one reached with a valid length is too.
-    Returns ``(found, end)`` as :func:`chain_in_block`, ``(0, 0)`` when the block's
-    start is not the first of those positions."""
+    """The usual case: a length prefix is the last (little-endian) or first (big-endian)
+    candidate of its run. The chain is followed through those positions from the
+    block's start while each element's successor is the next of them: every element so
+    reached is one (the first is the block's start, each other the successor of an
+    element), and the last one reached with a valid length is too. Returns
+    ``(found, end)`` as :func:`chain_in_block`, ``(0, 0)`` when the block's start is not
+    the first of those positions."""
     import numpy as np
 
-    last = candidate.copy()
-    last[:-1] &= ~candidate[1:]
-    cand = np.flatnonzero(last)
+    ends = candidate.copy()
+    if little:
+        ends[:-1] &= ~candidate[1:]
+    else:
+        ends[1:] &= ~candidate[:-1]
+    cand = np.flatnonzero(ends)
     if cand.size == 0 or cand[0] != 0:
         return 0, 0
     succ, valid = _lengths(buf, cand, little)
