@@ -60,17 +60,16 @@ def skip_strings(data: bytearray, pos: int, first: int, stop: int, byte_order: s
         raise ValueError("skip_strings needs a buffer of at most MAX_STRING_BYTES bytes")
     unpack = _U64[byte_order]
     i = first
-    last = pos
+    length = 0
     try:
         for i in range(first, stop):  # noqa: B007 (i names the string that stopped the loop)
             (length,) = unpack(data, pos)
-            last = pos
             pos += 8 + length
     except (struct.error, OverflowError):
         # the prefix of string i is not in ``data`` (or its position is past any buffer's
-        # end): string i - 1 may be too long
-        return (i - 1, last) if i > first else (i, pos)
-    return (stop - 1, last) if stop > first else (first, pos)
+        # end): string i - 1, at pos - 8 - length, may be too long
+        return (i - 1, pos - 8 - length) if i > first else (i, pos)
+    return (stop - 1, pos - 8 - length) if stop > first else (first, pos)
 
 
 def tensor_infos(
