@@ -3,6 +3,7 @@
 only) and gguf-py's ``GGUFReader(path)``, of the same file, in the same run.
 
     python bench/parse.py [PATH ...] [--repeat N] [--ref-repeat M] [--llama-lib-dir DIR]
+                          [--fresh N]
 
 PATH defaults to every bundled real model (placed in ./models as ``hoist sample`` does).
 llama.cpp's side is called through ctypes from ``libggml-base.so`` in ``--llama-lib-dir``
@@ -10,6 +11,17 @@ llama.cpp's side is called through ctypes from ``libggml-base.so`` in ``--llama-
 skipped and the script says so. Runs are interleaved (hoist, llama.cpp, hoist, ...).
 Prints, per file, the medians and the ratios hoist / llama.cpp (target <= 1) and
 gguf-py / hoist.
+
+Like for like: each side's code is loaded before its timer starts (hoist's modules are
+imported; llama.cpp's library is loaded), the first call of each is not timed, and the
+page cache is warm. This process has numpy loaded (gguf-py imports it), so hoist scans
+long string arrays vectorised, as a service does once it has loaded a model.
+
+``--fresh N`` adds N interleaved runs in which each parse is the first of a new process
+(hoist's reader imported, llama.cpp's library loaded, then one timed call), as ``hoist
+inspect`` parses: numpy is then not loaded, and string arrays shorter than
+``_IMPORT_WORTH_STRINGS`` are walked one string at a time instead (importing numpy would
+cost more); the line says whether the parse imported it.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import argparse
 import ctypes
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -83,6 +96,65 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, flo
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+_FRESH_HOIST = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from service.loader.gguf.reader import read_gguf
+start = time.perf_counter()
+read_gguf(sys.argv[1])
+print(time.perf_counter() - start, "numpy" in sys.modules)
+"""
+
+_FRESH_LLAMA = """
+import ctypes, os, sys, time
+class InitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+lib = ctypes.CDLL(sys.argv[2])
+lib.gguf_init_from_file.restype = ctypes.c_void_p
+lib.gguf_init_from_file.argtypes = [ctypes.c_char_p, InitParams]
+lib.gguf_free.argtypes = [ctypes.c_void_p]
+path = os.fsencode(sys.argv[1])
+start = time.perf_counter()
+ctx = lib.gguf_init_from_file(path, InitParams(True, None))
+elapsed = time.perf_counter() - start
+if not ctx:
+    sys.exit("gguf_init_from_file failed")
+lib.gguf_free(ctx)
+print(elapsed)
+"""
+
+
+def fresh_lines(path: Path, runs: int, lib_dir: str | None, have_llama: bool) -> list[str]:
+    """``runs`` interleaved fresh-process parses of ``path`` by each side; the report's
+    lines."""
+    root = str(Path(__file__).resolve().parent.parent)
+    hoist: list[float] = []
+    llama: list[float] = []
+    imported = False
+    for _ in range(runs):
+        out = subprocess.run(
+            [sys.executable, "-c", _FRESH_HOIST, str(path), root], check=True, capture_output=True, text=True
+        ).stdout.split()
+        hoist.append(float(out[0]))
+        imported |= out[1] == "True"
+        if have_llama and lib_dir:
+            lib = str(Path(lib_dir) / "libggml-base.so")
+            out = subprocess.run(
+                [sys.executable, "-c", _FRESH_LLAMA, str(path), lib], check=True, capture_output=True, text=True
+            ).stdout.split()
+            llama.append(float(out[0]))
+    ours = statistics.median(hoist)
+    numpy_note = "numpy imported by the parse" if imported else "numpy not loaded"
+    lines = [f"fresh processes: hoist read_gguf median of {runs}: {ours * 1000:8.1f} ms ({numpy_note})"]
+    if llama:
+        theirs = statistics.median(llama)
+        lines += [
+            f"fresh processes: llama.cpp     median of {runs}: {theirs * 1000:8.1f} ms",
+            f"ratio hoist / llama.cpp, fresh processes: {ours / theirs:.2f}",
+        ]
+    return lines
+
+
 def default_paths() -> list[Path]:
     """Every bundled real model, placed in ./models."""
     from service.sample import place_samples
@@ -90,7 +162,9 @@ def default_paths() -> list[Path]:
     return place_samples(Path("models"))
 
 
-def bench_file(path: Path, repeat: int, ref_repeat: int, llama: Callable[[Path], None] | None) -> list[str]:
+def bench_file(
+    path: Path, repeat: int, ref_repeat: int, llama: Callable[[Path], None] | None, fresh: int, lib_dir: str | None
+) -> list[str]:
     """The parsers on ``path``; returns the report's lines."""
     open_model(path)  # warm the page cache; every side then reads from memory
     fns: dict[str, Callable[[], Any]] = {"read_gguf": lambda: read_gguf(path), "open_model": lambda: open_model(path)}
@@ -116,6 +190,8 @@ def bench_file(path: Path, repeat: int, ref_repeat: int, llama: Callable[[Path],
         f"gguf.GGUFReader              median of {ref_repeat}: {ref * 1000:10.1f} ms",
         f"ratio (GGUFReader / hoist open_model): {ref / med['open_model']:.0f}x",
     ]
+    if fresh:
+        lines += fresh_lines(path, fresh, lib_dir, llama is not None)
     return lines
 
 
@@ -130,11 +206,15 @@ def main() -> int:
         metavar="DIR",
         help="the directory of llama.cpp's libggml-base.so (default: $LLAMA_LIB_DIR)",
     )
+    parser.add_argument(
+        "--fresh", type=int, default=0, metavar="N", help="also N interleaved runs, each parse in a new process"
+    )
     args = parser.parse_args()
     llama, note = llama_parser(args.llama_lib_dir)
     sys.stdout.write(note + "\n")
     for path in args.paths or default_paths():
-        sys.stdout.write("\n".join(bench_file(path, args.repeat, args.ref_repeat, llama)) + "\n")
+        lines = bench_file(path, args.repeat, args.ref_repeat, llama, args.fresh, args.llama_lib_dir)
+        sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
     return 0
 

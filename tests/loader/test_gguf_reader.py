@@ -361,10 +361,16 @@ def test_file_shrinking_while_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyP
     p = _write(tmp_path, raw_gguf([gguf_kv("k", V.ARRAY, arr)], []))
     real_pread = os.pread
 
+    real_preadv = os.preadv
+
     def shrinking_pread(fd: int, n: int, offset: int) -> bytes:
         return real_pread(fd, min(n, 30), offset) if offset < 30 else b""
 
+    def shrinking_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        return real_preadv(fd, [buffers[0][:30]], offset) if offset < 30 else 0
+
     monkeypatch.setattr(reader.os, "pread", shrinking_pread)
+    monkeypatch.setattr(reader.os, "preadv", shrinking_preadv)
     monkeypatch.setattr(reader, "_FIRST_READ", 8)
     with pytest.raises(TruncatedError, match="did it shrink"):
         read_gguf(p)

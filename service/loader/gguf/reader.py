@@ -38,6 +38,7 @@ from service.errors import (
 )
 from service.io.file import check_inside, open_readonly
 from service.loader.ggml_types import GGML_TYPE_COUNT, GGML_TYPES, REMOVED_GGML_TYPES, GGMLType
+from service.loader.gguf import batch
 from service.loader.gguf.constants import (
     DEFAULT_ALIGNMENT,
     GGUF_MAGIC,
@@ -56,7 +57,7 @@ from service.loader.gguf.constants import (
 )
 from service.loader.gguf.limits import HeaderLimits as HeaderLimits  # re-exported
 from service.loader.gguf.limits import file_identity as file_identity
-from service.loader.gguf.strings import chain_in_block
+from service.loader.gguf.strings import chain_in_block, usual_chain
 from service.loader.gguf.values import GGUFArray, GGUFFloat, GGUFString
 
 KVValue = bool | int | GGUFFloat | GGUFString | GGUFArray
@@ -229,6 +230,10 @@ _LFS_PREFIX = b"version https://git-lfs"
 _CHECK_EVERY_MASK = 4095
 """The cancel token is checked every 4096 KV pairs or tensor infos ..."""
 
+_BATCH = True
+"""Whether ordinary tensor infos and string-array elements are read by the tight loops of
+:mod:`.batch` before the careful walk takes over (the tests turn it off to compare)."""
+
 _CHECK_STRINGS_MASK = (1 << 16) - 1
 """... and every 65536 strings of an array walked one at a time (and once per block of
 an array scanned vectorised)."""
@@ -328,12 +333,18 @@ class _Parser:
         want = min(self.size, max(end, 2 * have, _FIRST_READ))
         if self.limit is not None:
             want = min(want, self.limit)
+        data = self.data
         while have < want:
+            # read straight into the grown buffer, then drop what the read did not fill
+            data += bytes(want - have)
             try:
-                chunk = os.pread(self.fd, want - have, have)
+                with memoryview(data) as view:
+                    n = os.preadv(self.fd, [view[have:want]], have)
             except OSError as exc:
+                del data[have:]
                 raise StorageError(f"read failed: {exc.strerror}", path=self.path, offset=have) from exc
-            if not chunk:
+            del data[have + n :]
+            if not n:
                 if have >= end:
                     return
                 raise TruncatedError(
@@ -341,8 +352,7 @@ class _Parser:
                     path=self.path,
                     offset=have,
                 )
-            self.data += chunk
-            have += len(chunk)
+            have += n
 
     def _need(self, n: int, what: str) -> None:
         if self.pos + n > self.size:
@@ -401,6 +411,17 @@ class _Parser:
         data = bytes(self.data[self.pos : self.pos + length])
         self.pos += length
         return data
+
+    def _view(self, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of what was read, not copied: the buffer cannot grow
+        while the view (or anything made from it) is alive, so it is only passed to a
+        call that keeps nothing of it."""
+        return memoryview(self.data)[start:end]
+
+    def _copy(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of what was read (``end`` <= bytes read), copied once."""
+        with memoryview(self.data) as view:
+            return view[start:end].tobytes()
 
     # -- structure ----------------------------------------------------------------------
 
@@ -497,12 +518,22 @@ class _Parser:
 
         tensors: list[TensorInfo] = []
         by_name: dict[str, TensorInfo] = {}
-        for i in range(n_tensors):
+        i = 0
+        while i < n_tensors:
             if not i & _CHECK_EVERY_MASK:
                 check(self.cancel)
+            if _BATCH:
+                # ordinary tensor infos up to the next cancel check, in one loop
+                stop = min(n_tensors, (i | _CHECK_EVERY_MASK) + 1)
+                i, self.pos = batch.tensor_infos(
+                    self.data, self.pos, i, stop, by_name, self.endian, TensorInfo, tensors
+                )
+                if i == stop:
+                    continue
             info = self._tensor_info(i, by_name)
             tensors.append(info)
             by_name[info.name] = info
+            i += 1
 
         data_offset = self.pos
         if tensors:
@@ -630,7 +661,7 @@ class _Parser:
             end = start + nbytes
         self._fill(end)
         self.pos = end
-        return GGUFArray(etype, count, bytes(self.data[start:end]), self.endian)
+        return GGUFArray(etype, count, self._copy(start, end), self.endian)
 
     def _skip_strings(self, key: str, count: int) -> int:
         """Find the end of ``count`` strings from the cursor without decoding them.
@@ -647,21 +678,36 @@ class _Parser:
         the array is shorter than :data:`_IMPORT_WORTH_STRINGS`); returns the position and index of
         the first string not scanned.
 
-        A block spans at most 8 bytes per string that remains (the least those strings
-        take), so it never reaches past the array, and never past the file or the header
-        limit: the bytes read are those the walk would read."""
+        What is read for a block spans at most 8 bytes per string that remains (the
+        least those strings take), so it never reaches past the array, and never past the
+        file or the header limit: the bytes read are those the walk would read. While the
+        usual case holds (:func:`.strings.usual_chain`), a block also takes in what the
+        reads brought in beyond that (they double), which often holds the rest of the
+        array (as far as a quarter more than the elements scanned so far take on average
+        would reach); once it does not, blocks stay within those 8 bytes per string and
+        are scanned by the exact method (:func:`.strings.chain_in_block`)."""
         pos = self.pos
         done = 0
         if not _scan_worth(count):
             return pos, done
         end_cap = self.size if self.limit is None else min(self.size, self.limit)
+        usual = _BATCH
         while count - done >= _VECTOR_MIN_STRINGS:
             check(self.cancel)
             end = min(end_cap, pos + min(_SCAN_BLOCK_BYTES, 8 * (count - done)))
             if end - pos < 8:
                 break
             self._fill(end)
-            found, advance = chain_in_block(bytes(self.data[pos:end]), count - done, self.endian)
+            found = 0
+            if usual:
+                # the rest of the array at a quarter more than the average element so far
+                guess = pos + (count - done) * (pos - self.pos) // done * 5 // 4 + 64 if done else end
+                wide = max(end, min(len(self.data), pos + _SCAN_BLOCK_BYTES, guess))
+                found, advance = usual_chain(self._view(pos, wide), count - done, self.endian)
+                # on only while the chain ran to the array's end or past the block's
+                usual = found == count - done or pos + advance > wide - 8
+            if not found:
+                found, advance = chain_in_block(self._view(pos, end), count - done, self.endian)
             if not found:
                 break
             done += found
@@ -691,8 +737,10 @@ class _Parser:
                     )
                 self._fill(pos + 8)
                 have = len(data) - 8
+            stop = min(count, i + _CHECK_STRINGS_MASK + 1)
             start = i
-            stop = min(count, start + _CHECK_STRINGS_MASK + 1)
+            if _BATCH and len(data) <= MAX_STRING_BYTES:
+                start, pos = batch.skip_strings(data, pos, start, stop, self.endian)
             for i in range(start, stop):
                 if pos > have:
                     break

@@ -11,12 +11,15 @@ Every byte position of the block whose eight bytes could be a valid length (at m
 ``GGUF_MAX_STRING_LENGTH``: the four high bytes are zero) is a candidate; its successor is
 ``position + 8 + length``.
 
-In the usual case the length prefixes are exactly the candidates that end a run of
-consecutive candidates (the few bytes before a prefix, read with its zero bytes, look like
-lengths too; the byte after it is the string's first byte, which is not zero). That set
-is taken when each member's successor is the next member, up to one whose successor lies
-past the block: the first member is the block's start, each other one the successor of
-an element, so each is an element.
+In the usual case (no string is empty or holds a zero byte, as in a vocabulary) the
+length prefixes are exactly the candidates that end a run of consecutive candidates in a
+little-endian file (the few bytes before a prefix, read with its zero bytes, look like
+lengths too; the byte after it is the string's first byte, which is not zero), and those
+that start one in a big-endian file (the byte before a prefix is the previous string's
+last one, not zero; the next few positions read its zero bytes). The chain is followed
+through that set from the block's start while each member's successor is the next
+member: the first member is the block's start, each other one the successor of an
+element, so each is an element (:func:`usual_chain`).
 
 Otherwise (empty strings, strings that start with or hold zero bytes) the candidates are
 pruned until nothing changes: one is kept only if it is the block's first position or
@@ -30,8 +33,9 @@ and successor are chain elements too). A chain element whose length is invalid i
 candidate, so everything before it is pruned back to the start: the caller then walks
 that part one string at a time and reports the error where it is.
 
-The block must lie inside the array (the caller bounds it by 8 bytes per string that
-remains), so no element found belongs to what follows the array.
+For :func:`chain_in_block` the block must lie inside the array (the caller bounds it by
+8 bytes per string that remains), so no element found belongs to what follows the array;
+:func:`usual_chain` takes a block that may run past it.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ MAX_ROUNDS = 64
 walk (false chains of candidates are short: each round removes one link from each end)."""
 
 
-def chain_in_block(block: bytes, max_count: int, byte_order: str) -> tuple[int, int]:
+def chain_in_block(block: bytes | memoryview, max_count: int, byte_order: str) -> tuple[int, int]:
     """The elements of a string array that start in ``block``.
 
     Args:
@@ -61,9 +65,45 @@ def chain_in_block(block: bytes, max_count: int, byte_order: str) -> tuple[int, 
     """
     import numpy as np
 
-    m = len(block) - 7  # positions with eight bytes after them
-    if m <= 0 or max_count <= 0:
+    scanned = _candidates(block, byte_order)
+    if scanned is None or max_count <= 0:
         return 0, 0
+    buf, candidate, m, little = scanned
+    found, end = _usual_chain(buf, candidate, m, max_count, little)
+    if found and (found == max_count or end >= m):
+        return found, end
+    return _pruned_chain(buf, np.flatnonzero(candidate), m, max_count, little)
+
+
+def usual_chain(block: bytes | memoryview, max_count: int, byte_order: str) -> tuple[int, int]:
+    """The elements of a string array that start in ``block`` and the usual case finds
+    (see the module's docstring), up to the first element after which it does not hold.
+
+    Unlike :func:`chain_in_block`, ``block`` may run past the end of the array (into the
+    KV pairs or tensor infos that follow): the chain is followed from the block's start
+    only, each element's successor checked to be the next prefix found, and at most
+    ``max_count`` elements are taken, so nothing after the array is counted.
+
+    Args and returns as :func:`chain_in_block`; ``found`` is 0 when the usual case does
+    not hold at the block's start, and may be less than the elements the block holds
+    (an empty string, or one that starts with a zero byte, stops it).
+    """
+    scanned = _candidates(block, byte_order)
+    if scanned is None or max_count <= 0:
+        return 0, 0
+    buf, candidate, m, little = scanned
+    return _usual_chain(buf, candidate, m, max_count, little)
+
+
+def _candidates(block: bytes | memoryview, byte_order: str) -> tuple[Any, Any, int, bool] | None:
+    """``(buf, candidate, m, little)``: the block as bytes, whether each of its ``m``
+    positions with eight bytes after it holds a valid length (its four high bytes are
+    zero), and the byte order; ``None`` when the block's first position is no candidate."""
+    import numpy as np
+
+    m = len(block) - 7  # positions with eight bytes after them
+    if m <= 0:
+        return None
     buf = np.frombuffer(block, dtype=np.uint8)
     zero = buf == 0
     little = byte_order == "<"
@@ -72,49 +112,46 @@ def chain_in_block(block: bytes, max_count: int, byte_order: str) -> tuple[int, 
     candidate &= zero[high + 2 : high + 2 + m]
     candidate &= zero[high + 3 : high + 3 + m]
     if not candidate[0]:
-        return 0, 0
-    # The usual case first: a length prefix is the last of a run of candidates (the
-    # bytes before it, read with its zeros, look like small lengths too; the position
-    # after it reads the string's first byte among the high bytes). Checked below.
-    last = candidate.copy()
-    last[:-1] &= ~candidate[1:]
-    result = _verified_chain(buf, np.flatnonzero(last), m, max_count, little)
-    if result is None:
-        result = _pruned_chain(buf, np.flatnonzero(candidate), m, max_count, little)
-    return result
-
-
-def _lengths(buf: Any, positions: Any, little: bool) -> tuple[Any, Any]:
-    """The successors of candidate ``positions`` (each position + 8 + the u64 length
-    there, whose four high bytes are zero) and whether each length is valid."""
-    import numpy as np
-
-    low = 0 if little else 4
-    lengths = np.zeros(positions.size, dtype=np.int64)
-    for j in range(4):
-        lengths |= buf[positions + (low + j)].astype(np.int64) << (8 * j if little else 8 * (3 - j))
-    return positions + 8 + lengths, lengths <= MAX_STRING_BYTES
-
-
-def _verified_chain(buf: Any, cand: Any, m: int, max_count: int, little: bool) -> tuple[int, int] | None:
-    """The chain through ``cand`` when each candidate's successor is the next candidate
-    until one lies past the block (then every one of them is an element: the first is
-    the block's start, each other the successor of an element); ``None`` when a
-    successor inside the block is not the next candidate, or a length is invalid."""
-    import numpy as np
-
-    if cand.size == 0 or cand[0] != 0:
         return None
+    return buf, candidate, m, little
+
+
+def _usual_chain(buf: Any, candidate: Any, m: int, max_count: int, little: bool) -> tuple[int, int]:
+    """The usual case: a length prefix is the last (little-endian) or first (big-endian)
+    candidate of its run. The chain is followed through those positions from the
+    block's start while each element's successor is the next of them: every element so
+    reached is one (the first is the block's start, each other the successor of an
+    element), and the last one reached with a valid length is too. Returns
+    ``(found, end)`` as :func:`chain_in_block`, ``(0, 0)`` when the block's start is not
+    the first of those positions."""
+    import numpy as np
+
+    ends = candidate.copy()
+    if little:
+        ends[:-1] &= ~candidate[1:]
+    else:
+        ends[1:] &= ~candidate[:-1]
+    cand = np.flatnonzero(ends)
+    if cand.size == 0 or cand[0] != 0:
+        return 0, 0
     succ, valid = _lengths(buf, cand, little)
     following = np.empty_like(cand)
     following[:-1] = cand[1:]
     following[-1] = -1
-    stop = np.flatnonzero(~valid | (succ != following) | (succ >= m))
-    j = int(stop[0])  # the last candidate always stops (its "following" is -1)
-    if not valid[j] or succ[j] < m:
-        return None
-    found = min(j + 1, max_count)
-    return found, int(succ[found - 1])
+    j = int(np.argmax(~valid | (succ != following)))  # the last one always stops: following -1
+    found = min(j + 1 if valid[j] else j, max_count)
+    return (found, int(succ[found - 1])) if found else (0, 0)
+
+
+def _lengths(buf: Any, positions: Any, little: bool) -> tuple[Any, Any]:
+    """The successors of candidate ``positions`` (each position + 8 + the u64 length
+    there) and whether each length is valid."""
+    import numpy as np
+
+    # every position of the block read as a u64: a view with a stride of one byte
+    at = np.ndarray((buf.size - 7,), dtype="<u8" if little else ">u8", buffer=buf, strides=(1,))
+    lengths = at[positions].astype(np.int64)
+    return positions + 8 + lengths, lengths <= MAX_STRING_BYTES
 
 
 def _pruned_chain(buf: Any, cand: Any, m: int, max_count: int, little: bool) -> tuple[int, int]:
