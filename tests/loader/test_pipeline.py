@@ -86,9 +86,10 @@ async def test_progress_is_monotonic_and_complete(aligned_fixture: Fixture, mode
     assert len(seen) > len(index)  # chunks smaller than tensors report inside a tensor
 
 
-async def test_progress_wakes_the_loop_once_for_chunks_it_has_not_taken(aligned_fixture: Fixture) -> None:
+async def test_progress_reaches_the_loop_in_batches(aligned_fixture: Fixture) -> None:
     # a slow callback: chunks finish while the loop is busy with the last one; each
-    # still gets its callback, in order, but they cross to the loop together
+    # still gets its callback, in order, but they cross to the loop together (and at
+    # most once every PROGRESS_POST_SECONDS)
     loop = asyncio.get_running_loop()
     index = open_model(aligned_fixture.path)
     wakeups = [0]

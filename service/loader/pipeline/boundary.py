@@ -21,6 +21,9 @@ from service.loader.pipeline.options import LoadOptions, Progress, ProgressCallb
 from service.loader.pipeline.stats import WorkerStats
 from service.loader.pipeline.worker import Worker
 
+PROGRESS_POST_SECONDS = 0.01
+"""Least time between two hand-overs of progress to the event loop (100 a second)."""
+
 
 async def run_loader(
     prepare: Callable[[], None],
@@ -52,11 +55,13 @@ async def run_loader(
 
     pending: list[tuple[int, int]] = []
     pending_lock = threading.Lock()
+    post = {"scheduled": False, "last": -PROGRESS_POST_SECONDS}
 
     def deliver() -> None:
         with pending_lock:
             done = pending[:]
             pending.clear()
+            post["scheduled"], post["last"] = False, time.monotonic()
         for n, index in done:
             state["done"] += n
             by_device[device_of[index]] += n
@@ -66,14 +71,21 @@ async def run_loader(
                     cancel.set()
 
     def report(n: int, index: int) -> None:
-        # chunks done while the loop has not yet taken the last ones are handed over
-        # together: one wake-up of the loop for all of them (a callback each)
-        if n:
-            with pending_lock:
-                pending.append((n, index))
-                if len(pending) > 1:
-                    return
+        # chunks are handed to the loop in batches, at most one every
+        # PROGRESS_POST_SECONDS: each wake-up of the loop takes the interpreter from the
+        # loader thread (a callback still runs for every chunk)
+        if not n:
+            return
+        with pending_lock:
+            pending.append((n, index))
+            if post["scheduled"]:
+                return
+            post["scheduled"] = True
+            wait = post["last"] + PROGRESS_POST_SECONDS - time.monotonic()
+        if wait <= 0:
             loop.call_soon_threadsafe(deliver)
+        else:
+            loop.call_soon_threadsafe(loop.call_later, wait, deliver)
 
     worker = Worker(res.jobs, options, direct=direct, cancel=cancel, report=report, identities=identities)
 
@@ -106,6 +118,7 @@ async def run_loader(
             _clear_frames(exc)
             error = exc
         worker.stats.seconds = time.perf_counter() - started
+        loop.call_soon_threadsafe(deliver)  # what is still pending, before the result
         loop.call_soon_threadsafe(finish, error)
         error = None
 
