@@ -46,12 +46,36 @@ class MemoryLock:
         self.locked = 0
         self.failed: str | None = None
         self._page_start = align_down(addr, PAGE_SIZE)
+        self._prelocked = 0
+
+    def prelock(self, target: int) -> bool:
+        """Lock ``[addr, addr + target)`` on fault now, in one call (``MLOCK_ONFAULT``):
+        pages are locked as they are faulted in, and :meth:`grow_to` up to ``target``
+        then only counts them, with no call each time (every ``mlock`` call first
+        drains the page lists of every CPU, which waits for the others). Returns False,
+        with nothing locked, where the kernel refuses (the lock limit is checked for
+        the whole range at once): :meth:`grow_to` then locks step by step, as far as the
+        limit allows, and warns."""
+        end = align_up(self.addr + target, PAGE_SIZE)
+        if self.locked or self._prelocked or end <= self._page_start:
+            return False
+        try:
+            libc.mlock_on_fault(self._page_start, end - self._page_start)
+        except OSError:
+            return False
+        self._prelocked = target
+        return True
 
     def grow_to(self, target: int) -> str | None:
         """Lock up to ``addr + target``. Returns a warning (and stops trying) when the
         kernel refuses, naming the bytes locked so far and the limit needed; the caller
         reports it (the load's warnings), so it is not logged here."""
         if self.failed is not None or target <= self.locked:
+            return None
+        if target <= self._prelocked:
+            if self.meter is not None:
+                self.meter.add(target - self.locked)
+            self.locked = target
             return None
         start = align_up(self.addr + self.locked, PAGE_SIZE) if self.locked else self._page_start
         end = align_up(self.addr + target, PAGE_SIZE)
@@ -86,12 +110,12 @@ class MemoryLock:
 
     def release(self) -> None:
         """Unlock what was locked. Idempotent."""
-        if self.locked:
-            end = align_up(self.addr + self.locked, PAGE_SIZE)
+        if self.locked or self._prelocked:
+            end = align_up(self.addr + max(self.locked, self._prelocked), PAGE_SIZE)
             try:
                 libc.munlock(self._page_start, end - self._page_start)
             except OSError:
                 pass  # already unmapped: the lock went with the pages
             if self.meter is not None:
                 self.meter.add(-self.locked)
-        self.locked = 0
+        self.locked = self._prelocked = 0

@@ -370,3 +370,29 @@ def test_cancel_does_not_wait_for_a_slow_bus(tmp_path: Path) -> None:
         )
     assert time.perf_counter() - started < 5  # 4 queued 16 KiB copies would take over 3 s at 20 KB/s
     assert leftovers(path, devs) == (0, 0, 0, 0)
+
+
+def _locked_kib(lo: int, hi: int) -> int:
+    """Locked KiB of this process's mappings inside ``[lo, hi)`` (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, _, end = head.partition("-")
+            inside = lo <= int(start, 16) and int(end, 16) <= hi
+        elif inside and head == "Locked:":
+            total += int(line.split()[1])
+    return total
+
+
+def test_mmap_mlock_locks_the_mapped_tensors(tmp_path: Path) -> None:
+    path = write_model(tmp_path / "m.gguf", valid_tensors(4, big=True))
+    model = asyncio.run(load_model(open_model(path), load_mode="mmap+mlock"))
+    with model:
+        if any("failed to mlock" in w for w in model.warnings):
+            pytest.skip("the lock limit is too low here")
+        (mapping,) = model._mappings
+        data_end = max(t.offset + t.nbytes for t in model.plan.tensors)
+        # every page from the file's start to the end of the tensor data is locked
+        assert _locked_kib(mapping.addr, mapping.addr + mapping.size + 4096) * 1024 >= data_end - 4096
+    assert _locked_kib(0, 1 << 64) == 0  # released with the model

@@ -222,8 +222,9 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
             ((t.offset, t.nbytes) for t in by_file[file_index] if t.lazy),
         )
         if lock_mapped:
-            file_locks[file_index] = MemoryLock(mapping.addr, gguf_file.path, HOST_MEMORY)
-            res.locks.append(file_locks[file_index])
+            lock = file_locks[file_index] = MemoryLock(mapping.addr, gguf_file.path, HOST_MEMORY)
+            res.locks.append(lock)
+            lock.prelock(max((t.offset + t.nbytes for t in by_file[file_index] if not t.lazy), default=0))
 
     for i, t in enumerate(p.tensors):
         file_mapping = res.mappings.get(t.file_index)
