@@ -116,6 +116,35 @@ async def test_progress_reaches_the_loop_in_batches(aligned_fixture: Fixture) ->
     assert wakeups[0] < len(seen) - 1  # the final result is one more post
 
 
+async def test_a_raising_progress_callback_loses_no_chunk(aligned_fixture: Fixture) -> None:
+    # chunks batched together each get their callback even when one of them raises: the
+    # loop's exception handler hears of each failure, the load goes on, the last call
+    # reports the total, and nothing is called after load_model returns
+    loop = asyncio.get_running_loop()
+    index = open_model(aligned_fixture.path)
+    failures: list[BaseException | None] = []
+    loop.set_exception_handler(lambda _, context: failures.append(context.get("exception")))
+    seen: list[int] = []
+
+    def flaky(p: Progress) -> None:
+        seen.append(p.bytes_done)
+        time.sleep(0.002)  # chunks pile up while the loop is here
+        if len(seen) % 3 == 2:
+            raise RuntimeError(f"callback {len(seen)}")
+
+    try:
+        model = await load_model(index, load_mode="none", on_progress=flaky, chunk_nbytes=64)
+        calls = len(seen)
+        await asyncio.sleep(0.05)
+        model.close()
+    finally:
+        loop.set_exception_handler(None)
+    assert len(seen) == calls
+    assert seen[-1] == index.nbytes and all(b > a for a, b in zip(seen, seen[1:], strict=False))
+    assert [str(e) for e in failures] == [f"callback {n}" for n in range(2, calls + 1, 3)]
+    assert fds_on(aligned_fixture.path) == 0 and load_threads() == 0
+
+
 def test_memory_report_lines_follow_llama_cpp_format() -> None:
     from service.loader.model import BufferInfo, MemoryReport
 

@@ -65,10 +65,18 @@ async def run_loader(
         for n, index in done:
             state["done"] += n
             by_device[device_of[index]] += n
-            if on_progress is not None and not cancel.is_set():
-                if on_progress(Progress(state["done"], total, dict(by_device))) is False:
-                    state["by_callback"] = True
-                    cancel.set()
+            if on_progress is None or cancel.is_set():
+                continue
+            try:
+                stop = on_progress(Progress(state["done"], total, dict(by_device))) is False
+            except Exception as exc:
+                # one chunk's callback failing must not drop the chunks batched with it:
+                # reported as the loop reports a callback that raises, and the load goes on
+                loop.call_exception_handler({"message": "exception in a load's progress callback", "exception": exc})
+                continue
+            if stop:
+                state["by_callback"] = True
+                cancel.set()
 
     def report(n: int, index: int) -> None:
         # chunks are handed to the loop in batches, at most one every
