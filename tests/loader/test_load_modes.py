@@ -385,14 +385,22 @@ def _locked_kib(lo: int, hi: int) -> int:
     return total
 
 
-def test_mmap_mlock_locks_the_mapped_tensors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("n_gpu_layers", [None, 2])
+def test_mmap_mlock_locks_the_file_up_to_its_last_host_tensor(tmp_path: Path, n_gpu_layers: int | None) -> None:
+    # as llama.cpp's lock grown from the file's start: header, host tensors and (with
+    # layers offloaded) the device tensors' pages in between
     path = write_model(tmp_path / "m.gguf", valid_tensors(4, big=True))
-    model = asyncio.run(load_model(open_model(path), load_mode="mmap+mlock"))
+    devs = discover_devices("EMU0=1GiB" if n_gpu_layers else "", cuda=False)
+    params = make_params(
+        [d.default_buffer_type.name for d in devs], load_mode="mmap+mlock", n_gpu_layers=n_gpu_layers or 0
+    )
+    model = asyncio.run(load_model(open_model(path), devices=devs, params=params))
     with model:
         if any("failed to mlock" in w for w in model.warnings):
             pytest.skip("the lock limit is too low here")
         (mapping,) = model._mappings
-        data_end = max(t.offset + t.nbytes for t in model.plan.tensors)
-        # every page from the file's start to the end of the tensor data is locked
-        assert _locked_kib(mapping.addr, mapping.addr + mapping.size + 4096) * 1024 >= data_end - 4096
+        host = [t for t in model.plan.tensors if t.device == "CPU"]
+        assert host and (n_gpu_layers is None or len(host) < len(model.plan.tensors))
+        data_end = max(t.offset + t.nbytes for t in host)
+        assert _locked_kib(mapping.addr, mapping.addr + mapping.size + 4096) * 1024 >= data_end // 4096 * 4096
     assert _locked_kib(0, 1 << 64) == 0  # released with the model

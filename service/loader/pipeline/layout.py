@@ -206,10 +206,10 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
                     res.warnings.append(warning)
                     break
 
-    by_file: dict[int, list[TensorPlacement]] = {}
-    for t in p.tensors:
+    by_file: dict[int, list[tuple[int, TensorPlacement]]] = {}
+    for i, t in enumerate(p.tensors):
         if p.use_mmap or t.lazy:
-            by_file.setdefault(t.file_index, []).append(t)
+            by_file.setdefault(t.file_index, []).append((i, t))
     file_locks: dict[int, MemoryLock] = {}
     for file_index in sorted(by_file):
         gguf_file = index.files[file_index]
@@ -218,13 +218,20 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
         # lazy ranges are read at random, on demand; the rest is needed now
         advise_mapping(
             mapping,
-            ((t.offset, t.nbytes) for t in by_file[file_index] if not t.lazy),
-            ((t.offset, t.nbytes) for t in by_file[file_index] if t.lazy),
+            ((t.offset, t.nbytes) for _, t in by_file[file_index] if not t.lazy),
+            ((t.offset, t.nbytes) for _, t in by_file[file_index] if t.lazy),
         )
         if lock_mapped:
             lock = file_locks[file_index] = MemoryLock(mapping.addr, gguf_file.path, HOST_MEMORY)
             res.locks.append(lock)
-            lock.prelock(max((t.offset + t.nbytes for t in by_file[file_index] if not t.lazy), default=0))
+            tensors = [t for _, t in by_file[file_index]]
+            if not any(t.lazy or i in dest_of for i, t in by_file[file_index]) and lock.prelock(
+                max(t.offset + t.nbytes for t in tensors)
+            ):
+                # the load faults in every page of its tensors (and the padding between
+                # them); with the header's pages faulted in too, locking pages as they
+                # fault in locks what llama.cpp's lock, grown from the file's start, does
+                mapping.populate(0, min(t.offset for t in tensors))
 
     for i, t in enumerate(p.tensors):
         file_mapping = res.mappings.get(t.file_index)
