@@ -130,8 +130,9 @@ async def run(args: argparse.Namespace, base: str, model: str) -> None:
         idle = await _phase(base, [idle_url], args.pollers, args.interval, args.baseline_s)
 
         jobs = []
-        for _ in range(args.loads):
-            resp = await client.post("/v1/loads", json=body)
+        for i in range(args.loads):
+            # a name each: loads of one file under one name would share its copy
+            resp = await client.post("/v1/loads", json={**body, "name": f"bench-{i}"})
             resp.raise_for_status()
             jobs.append(resp.headers["location"])
         loop = asyncio.get_running_loop()
