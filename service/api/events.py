@@ -280,7 +280,8 @@ class EventHub:
 
     async def follow(self, job: LoadJob, *, after: int | None = None) -> AsyncIterator[Event]:
         """The events of ``job`` from now on: a snapshot first (or, with ``after``, the
-        events after number ``after`` when they are all still held), then each event as
+        events after number ``after`` when they are all still held; once the job ended,
+        its final event alone), then each event as
         it comes, heartbeats when nothing comes for ``heartbeat_s``, up to and including
         the final event. A follower that falls :data:`QUEUE_EVENTS` behind gets a fresh
         snapshot in place of its backlog."""
@@ -291,6 +292,10 @@ class EventHub:
         ch.subscribers.add(sub)
         try:
             last = -1
+            if after is not None and ch.final is not None and 0 <= after < ch.final.seq:
+                # ended: of the events after ``after`` only the final one is kept
+                yield ch.final
+                return
             if after is not None and ch.replayable(after):
                 for event in list(ch.history):
                     if event.seq > after:

@@ -227,6 +227,9 @@ async def test_server_sent_events_resume_from_the_last_event_id(server: str) -> 
         # everything seen: nothing more to send (an EventSource stops on 204)
         r = await client.get(url, headers={"accept": "text/event-stream", "last-event-id": str(seqs[-1])})
         assert r.status_code == 204
+        # an earlier id once the job ended: the final event alone (the others are gone)
+        late = [e async for e in _sse(server, job_id, {"last-event-id": str(seqs[-2])})]
+        assert [(e["event"], e["seq"]) for e in late] == [("report", seqs[-1])]
         # an id from elsewhere starts anew with a snapshot
         anew = [e async for e in _sse(server, job_id, {"last-event-id": "999999"})]
         assert [e["event"] for e in anew] == ["snapshot", "report"]
