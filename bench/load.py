@@ -56,23 +56,24 @@ def _data_range(path: str) -> tuple[int, int, int]:
     return first, last, index.nbytes
 
 
-def _emu_devices() -> tuple[list[Any], Any]:
+def _setup(kind: str, mode: str) -> tuple[list[Any], Any]:
+    """The devices and placement flags of a load onto the host (``host``) or onto an
+    emulated GPU (``emu``): every layer offloaded, no host buffer types."""
     from service.loader.devices import discover_devices
     from service.loader.placement import make_params
 
-    devices = discover_devices("EMU0=64GiB", cuda=False)
-    return devices, lambda mode: make_params(
-        [d.default_buffer_type.name for d in devices], load_mode=mode, n_gpu_layers="all", no_host=True
-    )
+    devices = discover_devices("EMU0=64GiB" if kind == "emu" else "", cuda=False)
+    names = [d.default_buffer_type.name for d in devices]
+    return devices, make_params(names, load_mode=mode, n_gpu_layers="all", no_host=True)
 
 
 def _emu_runs(index: Any) -> list[tuple[int, int]]:
     """(file offset, bytes) of what a ``none`` load onto the emulated device moves, in
-    load order, contiguous neighbours merged."""
+    load order, contiguous neighbours merged (not sorted: a tied output is moved twice)."""
     from service.loader.placement import MemorySnapshot, plan
 
-    devices, params = _emu_devices()
-    placement = plan(index, devices, params("none"), memory=MemorySnapshot.take(devices))
+    devices, params = _setup("emu", "none")
+    placement = plan(index, devices, params, memory=MemorySnapshot.take(devices))
     out: list[tuple[int, int]] = []
     for t in placement.tensors:
         if out and out[-1][0] + out[-1][1] == t.offset:
@@ -85,9 +86,7 @@ def _emu_runs(index: Any) -> list[tuple[int, int]]:
 def child(kind: str, path: str, mode: str) -> dict[str, Any]:
     """One measurement, in this (fresh) process; the header is parsed before timing."""
     from service.io.align import align_down, align_up, aligned_empty
-    from service.loader.devices import discover_devices
     from service.loader.pipeline import LoadOptions, load_model
-    from service.loader.placement import make_params
     from service.loader.weights import open_model
 
     first, last, tensor_bytes = _data_range(path)
@@ -137,14 +136,7 @@ def child(kind: str, path: str, mode: str) -> dict[str, Any]:
                 pos += os.preadv(fd, [buf[pos - first :][:n].data], pos)
         os.close(fd)
     else:
-        if kind == "emu":
-            devices, make = _emu_devices()
-            params = make(mode)
-        else:
-            devices = discover_devices("", cuda=False)
-            params = make_params(
-                [d.default_buffer_type.name for d in devices], load_mode=mode, n_gpu_layers="all", no_host=True
-            )
+        devices, params = _setup(kind, mode)
         options = LoadOptions()
         model = asyncio.run(load_model(index, devices=devices, params=params, options=options))
         staging = sum(p.buffers for p in model.stats.pools.values()) * options.staging_size(

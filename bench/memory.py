@@ -292,15 +292,8 @@ def part_cycle(path: str, repeat: int) -> None:
         for _ in range(repeat):
             for name, cap in variants.items():
                 times[name].append(reload_seconds(cap, cache))
-        base = statistics.median(times["reload, no cache"])
         sys.stdout.write(f"\nload -> unload -> load, {cache}, {(last - first) / MiB:.0f} MiB; median of {repeat}\n")
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            sys.stdout.write(
-                f"  {name:<44} {med * 1000:8.1f} ms  [{min(ts) * 1000:7.1f}-{max(ts) * 1000:7.1f}]"
-                f"  {(last - first) / med / 1e9:5.2f} GB/s  x{base / med:5.2f}\n"
-            )
-        sys.stdout.flush()
+        _rows(times, statistics.median(times["reload, no cache"]), last - first)
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -325,13 +318,18 @@ def report(
             start = time.perf_counter()
             fn(path, first, last)
             times[name].append(time.perf_counter() - start)
-    base = statistics.median(next(iter(times.values())))
     sys.stdout.write(f"\n{title}; median of {repeat}, ratio = first variant's time / this one's\n")
+    _rows(times, statistics.median(next(iter(times.values()))), last - first)
+
+
+def _rows(times: dict[str, list[float]], base: float, nbytes: int) -> None:
+    """One line per variant: median and range of its times, GB/s of ``nbytes``, and the
+    ratio ``base`` / its median."""
     for name, ts in times.items():
         med = statistics.median(ts)
         sys.stdout.write(
             f"  {name:<44} {med * 1000:8.1f} ms  [{min(ts) * 1000:7.1f}-{max(ts) * 1000:7.1f}]"
-            f"  {(last - first) / med / 1e9:5.2f} GB/s  x{base / med:5.2f}\n"
+            f"  {nbytes / med / 1e9:5.2f} GB/s  x{base / med:5.2f}\n"
         )
     sys.stdout.flush()
 
