@@ -21,7 +21,16 @@ from service.loader.devices import discover_devices
 from service.loader.pipeline import LoadOptions, load_model
 from service.loader.placement import make_params
 from service.loader.weights import open_model
-from tests.loader.test_load_modes import MODES, _cancel_at, leftovers, load, valid_tensors, write_model
+from tests.loader.test_load_modes import (
+    MODES,
+    _cancel_at,
+    leftovers,
+    load,
+    load_shrinking_lazy_model,
+    valid_tensors,
+    write_model,
+    write_synthetic,
+)
 from tests.resources import load_threads
 
 SETUPS = ["cpu", "emu", "emu-sync"]
@@ -42,10 +51,7 @@ def expected_hashes(path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def synthetic(tmp_path: Path) -> Path:
-    rng = np.random.default_rng(21)
-    tensors = valid_tensors(21, big=True)
-    tensors["blk.2.ffn_down.weight"] = (rng.standard_normal((96, 1000)).astype(np.float32), Q.F32)
-    return write_model(tmp_path / "m.gguf", tensors)
+    return write_synthetic(tmp_path / "m.gguf", 21)
 
 
 @pytest.mark.parametrize("n", [1, 4])
@@ -181,24 +187,4 @@ def test_cancel_the_task_during_slow_hashing(tmp_path: Path, monkeypatch: pytest
 def test_a_file_that_shrinks_under_hashing_gives_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lazy (mapped) tensors are hashed through ``pread``: a shrunk file is an error, not
     SIGBUS."""
-    from service.errors import StorageError
-    from service.loader.pipeline import layout, sources, worker
-
-    tensors = valid_tensors(26)
-    rng = np.random.default_rng(26)
-    tensors["per_layer_token_embd.weight"] = (rng.standard_normal((64, 64)).astype(np.float32), Q.F32)
-    path = write_model(tmp_path / "m.gguf", tensors)
-    index = open_model(path)
-    monkeypatch.setattr(layout, "check_identity", lambda *a: None)
-    monkeypatch.setattr(sources, "check_identity", lambda *a: None)
-    real_work = worker.Worker._work
-
-    def shrink_then_work(self: worker.Worker) -> None:
-        with open(path, "r+b") as f:
-            f.truncate(index["per_layer_token_embd.weight"].offset + 10)
-        real_work(self)
-
-    monkeypatch.setattr(worker.Worker, "_work", shrink_then_work)
-    params = make_params(["CPU"], load_mode="none", lazy_mode="on")
-    with pytest.raises(StorageError, match="did the file shrink"):
-        asyncio.run(load_model(index, params=params, options=LoadOptions(hash_tensors=True)))
+    load_shrinking_lazy_model(tmp_path, monkeypatch, 26, hash_tensors=True)

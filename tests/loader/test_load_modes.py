@@ -53,6 +53,14 @@ def valid_tensors(seed: int = 0, *, big: bool = False) -> dict[str, tuple[np.nda
     }
 
 
+def write_synthetic(path: Path, seed: int) -> Path:
+    """A small model with a tensor larger than every small chunk and than a direct chunk."""
+    rng = np.random.default_rng(seed)
+    tensors = valid_tensors(seed, big=True)
+    tensors["blk.2.ffn_down.weight"] = (rng.standard_normal((96, 1000)).astype(np.float32), Q.F32)
+    return write_model(path, tensors)
+
+
 def write_model(path: Path, tensors: dict[str, tuple[np.ndarray, Q]]) -> Path:
     from gguf import GGUFValueType as V
 
@@ -327,18 +335,18 @@ def test_cancel_the_task_during_slow_uploads_and_validation(tmp_path: Path, monk
     assert leftovers(path, devs) == (0, 0, 0, 0)
 
 
-def test_validation_of_mapped_data_never_faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file that shrinks under a load with check-tensors gives an error, not SIGBUS."""
+def load_shrinking_lazy_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, **options: Any) -> None:
+    """Load a model whose lazily read tensor's file shrinks once mapped, before the loader
+    reads (let through the identity checks: the data side must still hold), with
+    ``options``; expects the load to fail with "did the file shrink", not SIGBUS."""
     from service.errors import StorageError
     from service.loader.pipeline import layout, sources, worker
 
-    tensors = valid_tensors(8)
-    rng = np.random.default_rng(8)
+    tensors = valid_tensors(seed)
+    rng = np.random.default_rng(seed)
     tensors["per_layer_token_embd.weight"] = (rng.standard_normal((64, 64)).astype(np.float32), Q.F32)
     path = write_model(tmp_path / "m.gguf", tensors)
     index = open_model(path)
-    # the file shrinks once it is mapped, before the loader reads: let it through the
-    # identity checks, the data side must still hold
     monkeypatch.setattr(layout, "check_identity", lambda *a: None)
     monkeypatch.setattr(sources, "check_identity", lambda *a: None)
     real_work = worker.Worker._work
@@ -351,7 +359,12 @@ def test_validation_of_mapped_data_never_faults(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(worker.Worker, "_work", shrink_then_work)
     params = make_params(["CPU"], load_mode="none", lazy_mode="on")
     with pytest.raises(StorageError, match="did the file shrink"):
-        asyncio.run(load_model(index, params=params, options=LoadOptions(check_tensors=True)))
+        asyncio.run(load_model(index, params=params, options=LoadOptions(**options)))
+
+
+def test_validation_of_mapped_data_never_faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file that shrinks under a load with check-tensors gives an error, not SIGBUS."""
+    load_shrinking_lazy_model(tmp_path, monkeypatch, 8, check_tensors=True)
 
 
 def test_cancel_does_not_wait_for_a_slow_bus(tmp_path: Path) -> None:

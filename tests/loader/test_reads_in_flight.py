@@ -22,7 +22,7 @@ from service.loader.model import LoadedModel
 from service.loader.pipeline import LoadOptions, Progress, load_model
 from service.loader.placement import make_params
 from service.loader.weights import open_model
-from tests.loader.test_load_modes import leftovers, valid_tensors, write_model
+from tests.loader.test_load_modes import leftovers, write_model, write_synthetic
 from tests.loader.test_pipeline import assert_matches_reader
 from tests.resources import load_threads
 
@@ -47,11 +47,7 @@ def _load(path: Path, setup: str, mode: str, *, before: Any = None, **options: A
 
 @pytest.fixture
 def synthetic(tmp_path: Path) -> Path:
-    rng = np.random.default_rng(12)
-    tensors = valid_tensors(3, big=True)
-    # a tensor larger than every small chunk, and one larger than a direct chunk
-    tensors["blk.2.ffn_down.weight"] = (rng.standard_normal((96, 1000)).astype(np.float32), Q.F32)
-    return write_model(tmp_path / "m.gguf", tensors)
+    return write_synthetic(tmp_path / "m.gguf", 12)
 
 
 @pytest.mark.parametrize("n", IN_FLIGHT)
