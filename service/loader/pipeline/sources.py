@@ -109,14 +109,14 @@ class SourceFiles:
                 )
                 return
             parts = []
-            for start in range(align_down(lo, PAGE_SIZE), hi, PROBE_STEP):
+            for start in range(first, hi, PROBE_STEP):
                 end = min(start + PROBE_STEP, hi)
                 parts.append(residency.resident_pages(fd, start, end - start))
         except (OSError, ValueError):
             return
         finally:
             os.close(fd)
-        self._before[file_index] = residency.ResidencyMap(align_down(lo, PAGE_SIZE) // PAGE_SIZE, np.concatenate(parts))
+        self._before[file_index] = residency.ResidencyMap(first // PAGE_SIZE, np.concatenate(parts))
 
     def count(self, file_index: int, lo: int, hi: int, *, buffered: bool) -> None:
         """Count ``[lo, hi)`` of the file as read: from the cache for the pages that were
