@@ -3,7 +3,10 @@ frees made at the same time on other threads."""
 
 from __future__ import annotations
 
+import platform
 import threading
+
+import pytest
 
 from service.loader.devices.emulated import parse_emulated_devices
 
@@ -34,3 +37,29 @@ def test_capacity_never_counts_a_buffer_twice_or_not_at_all() -> None:
         thread.join()
     assert cycles > 100  # the reads ran while buffers came and went
     assert device.held.nbytes == 0 and device.memory().free == total
+
+
+def test_cpu_description_is_the_processor_name_ggml_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.loader.devices import cpu
+
+    try:
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo", encoding="utf-8").read().splitlines()
+            if line.split(":", 1)[0].strip() == "model name"
+        ]
+    except OSError:
+        names = []
+    expected = names[0] if names and names[0] else platform.machine() or "CPU"
+    cpu.cpu_description.cache_clear()
+    assert cpu.CPUDevice().description == expected
+
+    def unreadable(*args: object, **kwargs: object) -> None:
+        raise PermissionError("no /proc here")
+
+    monkeypatch.setattr(cpu, "open", unreadable, raising=False)
+    cpu.cpu_description.cache_clear()
+    try:
+        assert cpu.CPUDevice().description == (platform.machine() or "CPU")
+    finally:
+        cpu.cpu_description.cache_clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from functools import cache
 from pathlib import Path
 
 from service.errors import OutOfMemoryError
@@ -73,6 +74,22 @@ def _cgroup_limit() -> tuple[int, int] | None:
     return best
 
 
+@cache
+def cpu_description() -> str:
+    """The processor's name: the first ``model name`` of ``/proc/cpuinfo``, as ggml's CPU
+    device describes itself; the machine type (``x86_64``) or ``CPU`` where there is
+    none. Read once per process."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == "model name" and value.strip():
+                    return value.strip()[:256]
+    except OSError:
+        pass
+    return platform.machine() or "CPU"
+
+
 def host_memory() -> DeviceMemory:
     """Free and total host memory in bytes, bounded by the container's cgroup limit."""
     info = _meminfo()
@@ -99,7 +116,7 @@ class CPUDevice(Device):
     def __init__(self) -> None:
         super().__init__(
             name="CPU",
-            description=platform.processor() or platform.machine() or "CPU",
+            description=cpu_description(),
             type="CPU",
             backend="CPU",
             device_id=None,
