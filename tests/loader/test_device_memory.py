@@ -43,13 +43,11 @@ def test_cpu_description_is_the_processor_name_ggml_reports(monkeypatch: pytest.
     from service.loader.devices import cpu
 
     try:
-        names = [
-            line.split(":", 1)[1].strip()
-            for line in open("/proc/cpuinfo", encoding="utf-8").read().splitlines()
-            if line.split(":", 1)[0].strip() == "model name"
-        ]
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = f.read().splitlines()
     except OSError:
-        names = []
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == "model name"]
     expected = names[0] if names and names[0] else platform.machine() or "CPU"
     cpu.cpu_description.cache_clear()
     assert cpu.CPUDevice().description == expected
