@@ -12,10 +12,12 @@ drop their arrays before closing.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap as _mmap_mod
 import os
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,6 +47,50 @@ def _probe_populate_read() -> bool:
 
 
 POPULATE_READ_SUPPORTED = _probe_populate_read()
+
+AHEAD_STEP = 256 << 20
+"""Bytes faulted in ahead per call: a stop asked for is seen within one such call."""
+
+
+class _Ahead:
+    """Ranges of a mapping being faulted in on a thread of its own (see
+    :meth:`Mapping.populate_ahead`)."""
+
+    def __init__(self, mapping: Mapping, ranges: Sequence[tuple[int, int]]) -> None:
+        self.starts = [lo for lo, _ in ranges]
+        self.ends = [lo + n for lo, n in ranges]
+        self.ok = False
+        self.done = False
+        self.stop = threading.Event()
+        self._mapping = mapping
+        self._ranges = ranges
+        self._thread = threading.Thread(target=self._run, name="hoist-populate", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for offset, nbytes in self._ranges:
+            for lo in range(offset, offset + nbytes, AHEAD_STEP):
+                if self.stop.is_set():
+                    return
+                try:
+                    self._mapping.populate(lo, min(AHEAD_STEP, offset + nbytes - lo), ahead=False)
+                except StorageError:
+                    return  # the load's own populate of the range meets the error and reports it
+        self.ok = True
+
+    def covers(self, offset: int, nbytes: int) -> bool:
+        """Wait until the ranges are in; whether they all came in and one of them holds
+        ``[offset, offset + nbytes)``."""
+        if not self.done:
+            self._thread.join()
+            self.done = True
+        i = bisect.bisect_right(self.starts, offset) - 1
+        return self.ok and i >= 0 and offset + nbytes <= self.ends[i]
+
+    def close(self) -> None:
+        """Stop after the call in progress and wait for the thread."""
+        self.stop.set()
+        self._thread.join()
 
 
 def subtract_fragment(fragments: list[tuple[int, int]], first: int, last: int) -> list[tuple[int, int]]:
@@ -99,6 +145,8 @@ class Mapping:
             os.close(fd)
         self.fragments: list[tuple[int, int]] = [(0, self.size)]
         self._lock = threading.Lock()
+        self._ahead: _Ahead | None = None
+        self._whole: np.ndarray[tuple[int], np.dtype[np.uint8]] | None = None
 
     def changed(self) -> str | None:
         """How the mapped file changed since it was mapped (size or modification time),
@@ -138,7 +186,10 @@ class Mapping:
         end = offset + nbytes
         if offset < 0 or end > self.size:
             raise StorageError(f"range [{offset}, {end}) is outside the mapping", path=self.path, offset=offset)
-        if nbytes and not any(start <= offset and end <= stop for start, stop in self.fragments):
+        if nbytes:
+            for start, stop in self.fragments:
+                if start <= offset and end <= stop:
+                    return
             raise StorageError(f"range [{offset}, {end}) is no longer mapped", path=self.path, offset=offset)
 
     def array(self, offset: int, nbytes: int) -> np.ndarray[tuple[int], np.dtype[np.uint8]]:
@@ -150,10 +201,12 @@ class Mapping:
         self._check_mapped(offset, nbytes)
         if nbytes == 0:
             return np.empty(0, dtype=np.uint8)
-        buf = (ctypes.c_ubyte * nbytes).from_address(self.addr + offset)
-        view: np.ndarray[tuple[int], np.dtype[np.uint8]] = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
-        view.flags.writeable = False
-        return view
+        whole = self._whole
+        if whole is None:
+            buf = (ctypes.c_ubyte * self.size).from_address(self.addr)
+            whole = self._whole = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+            whole.flags.writeable = False
+        return whole[offset : offset + nbytes]
 
     def advise(self, offset: int, nbytes: int, advice: int) -> None:
         """``madvise`` the pages covering ``[offset, offset + nbytes)`` (outward to pages).
@@ -167,8 +220,22 @@ class Mapping:
         last = min(align_up(offset + nbytes, PAGE_SIZE), align_up(self.size, PAGE_SIZE))
         libc.madvise(self.addr + first, last - first, advice)
 
-    def populate(self, offset: int, nbytes: int) -> None:
-        """Fault in ``[offset, offset + nbytes)`` now, reading it from disk if needed.
+    def populate_ahead(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Start faulting in ``ranges`` (``(offset, nbytes)``, disjoint, in file order) on
+        a thread of its own, while the caller goes on (llama.cpp maps with
+        ``MAP_POPULATE``; here the faulting overlaps the work that follows the mapping).
+        A later :meth:`populate` of bytes inside one of the ranges waits for the thread
+        and returns at once when every range came in; otherwise (an error, a stop) it
+        faults its range in itself and raises what it meets. :meth:`close` stops the
+        thread and waits for it before unmapping. One run per mapping: a second call
+        does nothing."""
+        if self._ahead is None and ranges:
+            self._ahead = _Ahead(self, list(ranges))
+
+    def populate(self, offset: int, nbytes: int, *, ahead: bool = True) -> None:
+        """Fault in ``[offset, offset + nbytes)`` now, reading it from disk if needed
+        (nothing when :meth:`populate_ahead` already brought the range in; ``ahead``
+        False: do not look at that).
 
         Uses ``MADV_POPULATE_READ`` (Linux 5.14+), which fails cleanly where touching the
         pages would raise SIGBUS (a file that shrank while mapped). Older kernels get
@@ -181,6 +248,8 @@ class Mapping:
         """
         self._check_mapped(offset, nbytes)
         if nbytes <= 0:
+            return
+        if ahead and self._ahead is not None and self._ahead.covers(offset, nbytes):
             return
         if POPULATE_READ_SUPPORTED:
             try:
@@ -216,6 +285,8 @@ class Mapping:
         last = align_down(last, PAGE_SIZE) if last < self.size else align_up(self.size, PAGE_SIZE)
         if last <= first:
             return
+        if self._ahead is not None:
+            self._ahead.close()
         with self._lock:
             for start, end in self.fragments:
                 lo, hi = max(start, first), min(align_up(end, PAGE_SIZE), last)
@@ -224,11 +295,14 @@ class Mapping:
             self.fragments = subtract_fragment(self.fragments, first, last)
 
     def close(self) -> None:
-        """Unmap everything still mapped. Idempotent."""
+        """Stop faulting in ahead, then unmap everything still mapped. Idempotent."""
+        if self._ahead is not None:
+            self._ahead.close()
         with self._lock:
             for start, end in self.fragments:
                 libc.munmap(self.addr + start, align_up(end, PAGE_SIZE) - start)
             self.fragments = []
+            self._whole = None
 
     def __enter__(self) -> Mapping:
         return self

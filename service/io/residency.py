@@ -153,6 +153,13 @@ class ResidencyMap:
         out.first, out.npages, out.uniform = first, npages, resident
         return out
 
+    @property
+    def all_resident(self) -> bool:
+        """Every page probed was resident."""
+        if self.uniform is not None:
+            return self.uniform
+        return int(self._prefix[-1]) == self.npages
+
     def resident_bytes(self, lo: int, hi: int) -> int:
         """Bytes of ``[lo, hi)`` in pages that were resident; bytes outside the pages
         probed count as not resident."""

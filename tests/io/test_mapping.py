@@ -75,3 +75,57 @@ def test_out_of_range_views_are_refused(data_file: tuple[Path, bytes]) -> None:
             m.array(len(data) - 4, 8)
         view = m.array(0, 16)
         assert not view.flags.writeable
+
+
+def _rss_kib(lo: int, hi: int) -> int:
+    """Resident KiB of this process's mappings inside ``[lo, hi)`` (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, _, end = head.partition("-")
+                inside = lo <= int(start, 16) and int(end, 16) <= hi
+            elif inside and head == "Rss:":
+                total += int(line.split()[1])
+    return total
+
+
+def _ahead_threads() -> int:
+    import threading
+
+    return sum(1 for t in threading.enumerate() if t.name == "hoist-populate")
+
+
+def test_populate_ahead_faults_the_ranges_in_on_its_own_thread(tmp_path: Path) -> None:
+    data = np.random.default_rng(1).integers(0, 256, 600 * P, dtype=np.uint8).tobytes()
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)  # in the page cache: faulting in reads nothing
+    with Mapping(str(path)) as m:
+        assert _rss_kib(m.addr, m.addr + m.size) == 0
+        m.populate_ahead([(10 * P, 200 * P), (300 * P, 100 * P)])
+        m.populate(20 * P, 10 * P)  # inside the first range: waits for the thread
+        assert _ahead_threads() == 0
+        # both ranges are mapped in this process now (fault-around may map a few more)
+        assert 300 * P // 1024 <= _rss_kib(m.addr, m.addr + m.size) < 600 * P // 1024
+        assert m.array(10 * P, 200 * P).tobytes() == data[10 * P : 210 * P]
+
+
+def test_populate_ahead_that_fails_leaves_the_error_to_the_load(tmp_path: Path, data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    with Mapping(str(path)) as m:
+        m.populate_ahead([(0, len(data) + P)])  # past the end: the thread gives up quietly
+        m.populate(0, P)  # faulted in by the call itself
+        with pytest.raises(StorageError, match="outside the mapping"):
+            m.populate(0, len(data) + P)
+    assert _ahead_threads() == 0
+
+
+def test_closing_a_mapping_stops_its_populate_ahead(tmp_path: Path) -> None:
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"\1" * (64 << 20))
+    for _ in range(5):
+        m = Mapping(str(path))
+        m.populate_ahead([(0, m.size)])
+        m.close()  # at once: nothing may touch the mapping after it is gone
+        assert _ahead_threads() == 0 and mappings_of(path) == 0

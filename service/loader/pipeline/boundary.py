@@ -13,13 +13,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from service.errors import LoadCancelledError
 from service.loader.pipeline.layout import Resources
 from service.loader.pipeline.options import LoadOptions, Progress, ProgressCallback
 from service.loader.pipeline.stats import WorkerStats
 from service.loader.pipeline.worker import Worker
+
+T = TypeVar("T")
 
 PROGRESS_POST_SECONDS = 0.01
 """Least time between two hand-overs of progress to the event loop (100 a second)."""
@@ -35,10 +37,12 @@ async def run_loader(
     on_progress: ProgressCallback | None,
     device_of: Sequence[str],
     data_ranges: dict[int, tuple[str, int, int]] | None = None,
-) -> tuple[WorkerStats, dict[str, Any], dict[str, str]]:
+    conclude: Callable[[], T] | None = None,
+) -> tuple[WorkerStats, dict[str, Any], dict[str, str], T | None]:
     """On a loader thread, ``prepare`` (map, allocate, lock: blocking work that stays off
-    the event loop) then run the jobs it put in ``res``; returns the loader's stats, the
-    invalid tensors and the tensor hashes (hash-tensors). ``data_ranges`` (file index ->
+    the event loop) then run the jobs it put in ``res``, then ``conclude`` (after a load
+    that ran to its end); returns the loader's stats, the invalid tensors, the tensor
+    hashes (hash-tensors) and what ``conclude`` returned. ``data_ranges`` (file index ->
     path, first byte, end of the data the load brings in) are probed for page-cache
     residency first, before mapping and allocating start any read-ahead.
 
@@ -78,14 +82,12 @@ async def run_loader(
                 state["by_callback"] = True
                 cancel.set()
 
-    def report(n: int, index: int) -> None:
+    def report(done: list[tuple[int, int]]) -> None:
         # chunks are handed to the loop in batches, at most one every
         # PROGRESS_POST_SECONDS: each wake-up of the loop takes the interpreter from the
         # loader thread (a callback still runs for every chunk)
-        if not n:
-            return
         with pending_lock:
-            pending.append((n, index))
+            pending.extend(done)
             if post["scheduled"]:
                 return
             post["scheduled"] = True
@@ -105,12 +107,16 @@ async def run_loader(
         else:
             done_future.set_exception(exc)
 
+    concluded: list[T | None] = [None]
+
     def body() -> None:
         error: BaseException | None = None
         started = time.perf_counter()
         try:
             for file_index, (path, lo, hi) in (data_ranges or {}).items():
                 worker.files.take_residency(file_index, path, lo, hi)
+                if worker.files.wholly_resident(file_index):
+                    res.resident.add(file_index)
             worker.stats.clocks["touch"].start()
             try:
                 prepare()
@@ -119,6 +125,8 @@ async def run_loader(
             worker.jobs = res.jobs
             if not cancel.is_set():
                 worker.run()
+            if conclude is not None and not cancel.is_set():
+                concluded[0] = conclude()
         except BaseException as exc:  # handed to the awaiting task
             # the frames of the traceback hold views of the load's buffers: drop their
             # locals now, so that the buffers go when they are freed, not when a garbage
@@ -151,7 +159,7 @@ async def run_loader(
         thread.join()
     if state["by_callback"]:
         raise LoadCancelledError("the load was cancelled by its progress callback")
-    return worker.stats, dict(worker.invalid), dict(worker.hashes)
+    return worker.stats, dict(worker.invalid), dict(worker.hashes), concluded[0]
 
 
 def _clear_frames(exc: BaseException) -> None:

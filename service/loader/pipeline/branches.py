@@ -12,6 +12,7 @@ A handler works in three steps, so that reads can be in flight while the loader 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,7 +74,7 @@ class Handler:
         self.load.report_pieces(extent)
 
 
-def _check_file(load: Worker, jobs: list[TensorJob]) -> None:
+def _check_file(load: Worker, jobs: Iterable[TensorJob]) -> None:
     """Validate and hash ``jobs`` (whole tensors) from their file, where the load does
     (a descriptor is opened only then)."""
     if not (load.validators.enabled or load.hashers.enabled):
@@ -102,15 +103,14 @@ class Mapped(Handler):
         lo, hi = extent.lo, extent.hi
         if hi <= lo:
             return
-        for piece in extent.pieces:
-            self.load.files.count(piece.job.file_index, piece.lo, piece.hi, buffered=True)
+        self.load.files.count(job.file_index, _parts(extent), buffered=True)
         try:
             mapping.populate(lo, hi - lo)
         except StorageError as exc:
             raise StorageError(exc.message, path=exc.path, offset=exc.offset, tensor=job.name) from exc
 
     def complete(self, extent: Extent, ticket: Any) -> None:
-        _check_file(self.load, [p.job for p in extent.pieces if p.completes])
+        _check_file(self.load, (p.job for p in extent.pieces if p.completes))
         self.load.report_pieces(extent)
         lock = extent.first.lock
         if lock is not None and extent.hi > extent.lo:

@@ -43,9 +43,10 @@ class ExtentLimits:
     staging_payload: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Piece:
-    """The part ``[lo, hi)`` (file offsets) of one tensor that an extent brings in.
+    """The part ``[lo, hi)`` (file offsets) of one tensor that an extent brings in (not
+    changed once built, like :class:`Extent`).
 
     Attributes:
         job: the tensor's job.
@@ -63,9 +64,10 @@ class Piece:
         return self.hi == self.job.offset + self.job.nbytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Extent:
-    """One read (or populate) of a file range into one destination.
+    """One read (or populate) of a file range into one destination (not changed once
+    built).
 
     Attributes:
         branch: how its bytes come in (every piece's job has this branch).
@@ -166,23 +168,22 @@ def _extents_of(group: Sequence[TensorJob], alignment: int, limits: ExtentLimits
     first, last = group[0], group[-1]
     branch = first.branch
     begin, end = first.offset, last.offset + last.nbytes
-    aligned_reads = (
-        alignment > 1 and branch in ("read", "staged") and (branch == "staged" or _in_place(group, alignment))
-    )
+    in_place = _in_place(group, alignment)
+    aligned_reads = alignment > 1 and (branch == "staged" or in_place)
     if branch == "lazy":
         bounds = [(begin, end)]
     else:
         if branch == "staged":
             biggest = max(GGML_TYPES_BY_NAME[j.ggml_type].type_size for j in group)
             step = max(limits.staging_payload, biggest)
-        elif _in_place(group, alignment):
+        elif in_place:
             step = align_up(limits.direct_chunk_nbytes, alignment)
         else:
             step = limits.chunk_nbytes
         bounds = []
         pos, at, skip = begin, 0, 0
         while pos < end:
-            if _in_place(group, alignment):
+            if in_place:
                 # interior cuts on block boundaries: neighbouring reads never share a block
                 hi = min(align_down(pos, alignment) + step, end)
             else:

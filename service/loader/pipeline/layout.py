@@ -31,7 +31,7 @@ from service.io.align import align_up
 from service.io.mapping import Mapping
 from service.io.meter import HOST_MEMORY
 from service.io.mlock import MemoryLock
-from service.io.readahead import advise_mapping, will_read
+from service.io.readahead import advise_mapping, merge_ranges, will_read
 from service.loader.devices import Device, DeviceBuffer
 from service.loader.devices.cpu import host_memory
 from service.loader.placement import LoadMode, Plan, TensorPlacement
@@ -41,9 +41,10 @@ from service.loader.weights import WeightIndex
 Branch = Literal["mapped", "lazy", "copy", "read", "staged", "sync"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TensorJob:
-    """Bring one placed tensor's bytes to its place.
+    """Bring one placed tensor's bytes to its place (not changed once built; a plain
+    dataclass, as a frozen one costs several times more to build, hundreds per load).
 
     Attributes:
         index: the tensor's index in the plan.
@@ -112,6 +113,8 @@ class Resources:
         self.views: dict[int, Any] = {}
         self.jobs: list[TensorJob] = []
         self.warnings: list[str] = []
+        self.resident: set[int] = set()
+        """Files whose tensor data was wholly in the page cache when the load began."""
 
     def release(self) -> None:
         """Unlock, free and unmap everything. Idempotent."""
@@ -215,10 +218,12 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
         gguf_file = index.files[file_index]
         mapping = res.mappings[file_index] = Mapping(gguf_file.path)
         check_identity(gguf_file.path, gguf_file.identity, mapping.identity)
-        # lazy ranges are read at random, on demand; the rest is needed now
+        resident = file_index in res.resident
+        # lazy ranges are read at random, on demand; the rest is needed now (read-ahead
+        # only where it is not all in the page cache already)
         advise_mapping(
             mapping,
-            ((t.offset, t.nbytes) for _, t in by_file[file_index] if not t.lazy),
+            () if resident else ((t.offset, t.nbytes) for _, t in by_file[file_index] if not t.lazy),
             ((t.offset, t.nbytes) for _, t in by_file[file_index] if t.lazy),
         )
         if lock_mapped:
@@ -232,6 +237,12 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
                 # them); with the header's pages faulted in too, locking pages as they
                 # fault in locks what llama.cpp's lock, grown from the file's start, does
                 mapping.populate(0, min(t.offset for t in tensors))
+        if resident:
+            # nothing to read from disk: the mapped tensors' pages are faulted in on a
+            # thread of their own while the jobs are built and planned
+            mapping.populate_ahead(
+                merge_ranges((t.offset, t.nbytes) for i, t in by_file[file_index] if not t.lazy and i not in dest_of)
+            )
 
     for i, t in enumerate(p.tensors):
         file_mapping = res.mappings.get(t.file_index)

@@ -89,13 +89,18 @@ def staging_nbytes(p: Plan, devices: Sequence[Device], options: LoadOptions) -> 
     return len(staged) * options.staging_buffers * (options.staging_size(alignment) + alignment)
 
 
-def _typed(raw: Any, t: TensorPlacement, ne: tuple[int, ...]) -> Any:
+def _typed(raw: Any, t: TensorPlacement, ne: tuple[int, ...], known: dict[tuple[str, tuple[int, ...]], Any]) -> Any:
     """A numpy ``uint8`` view as the tensor's element type and shape; other array types
-    (torch tensors on a GPU) stay raw bytes."""
+    (torch tensors on a GPU) stay raw bytes. ``known`` keeps the dtype and shape of each
+    (type, shape) met (a model has few)."""
     if not isinstance(raw, np.ndarray):
         return raw
-    ggml_type = GGML_TYPES_BY_NAME[t.ggml_type]
-    return raw.view(numpy_dtype(ggml_type)).reshape(numpy_shape(ggml_type, ne))
+    key = (t.ggml_type, ne)
+    found = known.get(key)
+    if found is None:
+        ggml_type = GGML_TYPES_BY_NAME[t.ggml_type]
+        found = known[key] = (numpy_dtype(ggml_type), numpy_shape(ggml_type, ne))
+    return raw.view(found[0]).reshape(found[1])
 
 
 async def load_model(
@@ -172,7 +177,7 @@ async def load_plan(
     options = options or LoadOptions()
     res = Resources()
     try:
-        stats, invalid, hashes = await run_loader(
+        stats, invalid, hashes, finished = await run_loader(
             lambda: build(index, placement, devices, res),
             {i: f.identity for i, f in enumerate(index.files)},
             res,
@@ -182,11 +187,8 @@ async def load_plan(
             on_progress,
             [t.device for t in placement.tensors],
             _data_ranges(index, placement),
+            lambda: _finish_load(index, placement, res),
         )
-        for mapping in res.mappings.values():
-            how = mapping.changed()
-            if how is not None:
-                raise StorageError(f"the file changed while it was mapped for the load: {how}", path=mapping.path)
         if invalid:
             listed = "; ".join(f"tensor '{name}': {found.reason}" for name, found in invalid.items())
             raise InvalidDataError(
@@ -194,7 +196,8 @@ async def load_plan(
                 path=index.path,
                 tensors={name: found.reason for name, found in invalid.items()},
             )
-        tensors, tied = await asyncio.to_thread(_finish_load, index, placement, res)
+        assert finished is not None
+        tensors, tied = finished
     except BaseException:
         res.release()
         raise
@@ -231,23 +234,35 @@ def _data_ranges(index: WeightIndex, placement: Plan) -> dict[int, tuple[str, in
 def _finish_load(
     index: WeightIndex, placement: Plan, res: Resources
 ) -> tuple[dict[str, LoadedTensor], LoadedTensor | None]:
-    """Unmap what no tensor uses and give every tensor its typed view (off the event
-    loop: a model can have hundreds of thousands of tensors)."""
+    """On the loader thread, after the last extent: fail if a mapped file changed during
+    the load, unmap what no tensor uses and give every tensor its typed view (off the
+    event loop: a model can have hundreds of thousands of tensors).
+
+    Raises:
+        StorageError: a mapped file changed (shrank or was rewritten) during the load.
+    """
+    for mapping in res.mappings.values():
+        how = mapping.changed()
+        if how is not None:
+            raise StorageError(f"the file changed while it was mapped for the load: {how}", path=mapping.path)
     if placement.use_mmap:
         _unmap_unused(placement, res.mappings)
     tensors: dict[str, LoadedTensor] = {}
     tied: LoadedTensor | None = None
     mapped = {j.index for j in res.jobs if j.branch in ("mapped", "lazy")}
+    known: dict[tuple[str, tuple[int, ...]], Any] = {}
+    weights = index.weights
+    views = res.views
     for i, t in enumerate(placement.tensors):
-        w = index.weights[t.name]
+        ne = weights[t.name].info.ne
         loaded = LoadedTensor(
             name=t.name,
             ggml_type=t.ggml_type,
-            ne=w.info.ne,
+            ne=ne,
             nbytes=t.nbytes,
             buffer_type=MAPPED_BUFFER_NAME if i in mapped else t.buffer_type,
             device=t.device,
-            data=_typed(res.views[i], t, w.info.ne),
+            data=_typed(views[i], t, ne, known),
             lazy=t.lazy,
         )
         if t.role == "tied_output":

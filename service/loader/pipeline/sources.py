@@ -118,26 +118,39 @@ class SourceFiles:
             os.close(fd)
         self._before[file_index] = residency.ResidencyMap(first // PAGE_SIZE, np.concatenate(parts))
 
-    def count(self, file_index: int, lo: int, hi: int, *, buffered: bool) -> None:
-        """Count ``[lo, hi)`` of the file as read: from the cache for the pages that were
-        resident before the load when read ``buffered`` (or faulted in), else from disk."""
-        if hi <= lo:
-            return
-        if not buffered:
-            self.stats.count_source(0, hi - lo)
-            return
+    def wholly_resident(self, file_index: int) -> bool:
+        """Every page :meth:`take_residency` probed for the file was in the page cache."""
         before = self._before.get(file_index)
-        if before is None:
-            self.stats.count_source(0, 0, hi - lo)
-            return
-        cache = before.resident_bytes(lo, hi)
-        self.stats.count_source(cache, hi - lo - cache)
+        return before is not None and before.all_resident
+
+    def count(self, file_index: int, parts: Sequence[tuple[int, int]], *, buffered: bool) -> None:
+        """Count the ``[lo, hi)`` ranges ``parts`` of the file as read: from the cache for
+        the pages that were resident before the load when read ``buffered`` (or faulted
+        in), else from disk."""
+        before = self._before.get(file_index) if buffered else None
+        cache = disk = unprobed = 0
+        for lo, hi in parts:
+            if hi <= lo:
+                continue
+            if not buffered:
+                disk += hi - lo
+            elif before is None:
+                unprobed += hi - lo
+            else:
+                resident = before.resident_bytes(lo, hi)
+                cache += resident
+                disk += hi - lo - resident
+        if cache or disk or unprobed:
+            self.stats.count_source(cache, disk, unprobed)
 
     def _count_parts(
         self, file_index: int, parts: Sequence[tuple[int, int]] | None, lo: int, hi: int, *, buffered: bool
     ) -> None:
-        for a, b in parts if parts is not None else ((lo, hi),):
-            self.count(file_index, max(a, lo), min(b, hi), buffered=buffered)
+        self.count(
+            file_index,
+            [(max(a, lo), min(b, hi)) for a, b in parts] if parts is not None else [(lo, hi)],
+            buffered=buffered,
+        )
 
     # -- reads (on reader threads) --------------------------------------------------------
 

@@ -59,6 +59,9 @@ class _Done:
         return None
 
 
+_DONE = _Done()
+
+
 class Readers:
     """Reader tasks: up to ``n`` reads in flight on their own threads (``n == 1``: each
     read runs on the loader thread), timed as the read stage.
@@ -79,14 +82,17 @@ class Readers:
         """Run ``work(extent, ticket)``: now (``inline``, or one read in flight), or on a
         reader thread."""
 
-        def timed() -> None:
-            with self.clock.busy(extent.nbytes):
-                work(extent, ticket)
-
         if self._pool is None or inline:
-            timed()
-            return _Done()
-        return self._pool.submit(timed)
+            self._timed(work, extent, ticket)
+            return _DONE
+        return self._pool.submit(self._timed, work, extent, ticket)
+
+    def _timed(self, work: Callable[[Extent, Any], None], extent: Extent, ticket: Any) -> None:
+        self.clock.start()
+        try:
+            work(extent, ticket)
+        finally:
+            self.clock.stop(extent.nbytes)
 
     def close(self) -> None:
         """Wait for the reads in flight (they write into the load's buffers) and stop the
@@ -104,8 +110,8 @@ class Worker:
         options: the load's tunables.
         direct: read with ``O_DIRECT`` (direct-io load mode).
         cancel: set to stop at the next chunk.
-        report: called with the bytes of each chunk done and the index (in the plan) of
-            the tensor they belong to.
+        report: called with the chunks done, each as its bytes and the index (in the
+            plan) of the tensor they belong to.
         identities: file index -> the file's identity when its header was parsed; a
             file opened for data must still be that file.
 
@@ -122,7 +128,7 @@ class Worker:
         *,
         direct: bool,
         cancel: threading.Event,
-        report: Callable[[int, int], None],
+        report: Callable[[list[tuple[int, int]]], None],
         identities: dict[int, tuple[int, int, int, int]] | None = None,
     ) -> None:
         self.jobs = jobs
@@ -150,15 +156,12 @@ class Worker:
     # -- what handlers use ------------------------------------------------------------------
 
     def report_pieces(self, extent: Extent) -> None:
-        """Count and report the tensor bytes of ``extent``."""
-        for piece in extent.pieces:
-            n = piece.hi - piece.lo
-            if n:
-                branch = piece.job.branch
-                self.stats.branches[branch] = self.stats.branches.get(branch, 0) + n
-                self.report(n, piece.job.index)
-            elif piece.job.branch not in self.stats.branches:
-                self.stats.branches[piece.job.branch] = 0
+        """Count and report the tensor bytes of ``extent`` (one report per piece)."""
+        done = [(piece.hi - piece.lo, piece.job.index) for piece in extent.pieces if piece.hi > piece.lo]
+        branches = self.stats.branches
+        branches[extent.branch] = branches.get(extent.branch, 0) + sum(n for n, _ in done)
+        if done:
+            self.report(done)
 
     def uploader(self, device: Device) -> Uploader:
         """The uploader of ``device``, set up on first use."""
