@@ -14,12 +14,26 @@ _CGROUP = Path("/sys/fs/cgroup")
 _PROC_CGROUP = Path("/proc/self/cgroup")
 
 
+def _read_small(path: str | Path) -> str | None:
+    """The text of a small kernel file (``/proc``, ``/sys``: one read of up to 64 KiB),
+    or None where it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 1 << 16).decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _meminfo() -> dict[str, int]:
     """``/proc/meminfo`` in bytes (empty where it cannot be read)."""
     out: dict[str, int] = {}
-    try:
-        text = Path("/proc/meminfo").read_text()
-    except OSError:
+    text = _read_small("/proc/meminfo")
+    if text is None:
         return out
     for line in text.splitlines():
         key, _, rest = line.partition(":")
@@ -32,10 +46,7 @@ def _meminfo() -> dict[str, int]:
 def _own_cgroups() -> list[tuple[Path, str, str]]:
     """The directories of this process's memory cgroup and its ancestors, innermost first,
     each with its limit and usage file names (cgroup v2, else v1)."""
-    try:
-        lines = _PROC_CGROUP.read_text().splitlines()
-    except OSError:
-        lines = []
+    lines = (_read_small(_PROC_CGROUP) or "").splitlines()
     found: list[tuple[Path, str, str]] = []
     for line in lines:
         _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
@@ -61,10 +72,10 @@ def _cgroup_limit() -> tuple[int, int] | None:
     systemd ``MemoryMax=``) counts as well as the container's."""
     best: tuple[int, int] | None = None
     for directory, limit_name, usage_name in _own_cgroups():
+        limit = (_read_small(f"{directory}/{limit_name}") or "").strip()
         try:
-            limit = (directory / limit_name).read_text().strip()
-            usage = int((directory / usage_name).read_text().strip())
-        except (OSError, ValueError):
+            usage = int((_read_small(f"{directory}/{usage_name}") or "").strip())
+        except ValueError:
             continue
         # "max" (v2) or a huge number near 2**63 (v1) mean no limit
         if not limit.isdigit() or int(limit) >= 1 << 60:
