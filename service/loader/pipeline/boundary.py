@@ -13,7 +13,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from service.errors import LoadCancelledError
 from service.loader.pipeline.layout import Resources
@@ -27,39 +28,76 @@ PROGRESS_POST_SECONDS = 0.01
 """Least time between two hand-overs of progress to the event loop (100 a second)."""
 
 
+@dataclass(frozen=True)
+class LoaderSetup(Generic[T]):
+    """What a load does on the loader thread, known once it is planned.
+
+    Attributes:
+        total: tensor bytes the load brings in.
+        device_of: plan index -> the device name a tensor's bytes count for.
+        identities: file index -> the file's identity when its header was parsed.
+        direct: read with ``O_DIRECT`` (direct-io load mode).
+        data_ranges: file index -> (path, first byte, end) of the data the load brings
+            in, probed for page-cache residency before mapping and allocating start any
+            read-ahead.
+        prepare: map, allocate and lock, and put the jobs in the resources.
+        conclude: after a load that ran to its end, what the load returns.
+    """
+
+    total: int
+    device_of: Sequence[str]
+    identities: dict[int, tuple[int, int, int, int]]
+    direct: bool
+    data_ranges: dict[int, tuple[str, int, int]]
+    prepare: Callable[[], None]
+    conclude: Callable[[], T]
+
+
 async def run_loader(
-    prepare: Callable[[], None],
-    identities: dict[int, tuple[int, int, int, int]],
+    setup: Callable[[], LoaderSetup[T]],
     res: Resources,
-    total: int,
     options: LoadOptions,
-    direct: bool,
     on_progress: ProgressCallback | None,
-    device_of: Sequence[str],
-    data_ranges: dict[int, tuple[str, int, int]] | None = None,
-    conclude: Callable[[], T] | None = None,
-) -> tuple[WorkerStats, dict[str, Any], dict[str, str], T | None]:
-    """On a loader thread, ``prepare`` (map, allocate, lock: blocking work that stays off
-    the event loop) then run the jobs it put in ``res``, then ``conclude`` (after a load
-    that ran to its end); returns the loader's stats, the invalid tensors, the tensor
-    hashes (hash-tensors) and what ``conclude`` returned. ``data_ranges`` (file index ->
-    path, first byte, end of the data the load brings in) are probed for page-cache
-    residency first, before mapping and allocating start any read-ahead.
+) -> tuple[WorkerStats, dict[str, Any], dict[str, str], T]:
+    """On one loader thread: ``setup`` (the plan, and the checks made before anything is
+    taken), the page-cache probe of its data ranges, its ``prepare`` (blocking work that
+    stays off the event loop), the jobs that put in ``res``, then its ``conclude``.
+    Returns the loader's stats, the invalid tensors, the tensor hashes (hash-tensors)
+    and what ``conclude`` returned.
+
+    ``on_progress`` is called on the event loop: first with nothing done (once the
+    total is known), then after each chunk.
 
     Raises:
         LoadCancelledError: the callback asked to stop.
         asyncio.CancelledError: the awaiting task was cancelled; the loader is told to stop
             and awaited first, so nothing is released while it still runs.
+        What ``setup``, ``prepare`` and the jobs raise.
     """
     loop = asyncio.get_running_loop()
     cancel = threading.Event()
     done_future: asyncio.Future[None] = loop.create_future()
-    state = {"done": 0, "by_callback": False}
-    by_device = dict.fromkeys(device_of, 0)
+    state = {"done": 0, "total": 0, "by_callback": False}
+    by_device: dict[str, int] = {}
+    device_of: Sequence[str] = ()
 
     pending: list[tuple[int, int]] = []
     pending_lock = threading.Lock()
     post = {"scheduled": False, "last": -PROGRESS_POST_SECONDS}
+
+    def call(progress: Progress) -> None:
+        if on_progress is None or cancel.is_set():
+            return
+        try:
+            stop = on_progress(progress) is False
+        except Exception as exc:
+            # one chunk's callback failing must not drop the chunks batched with it:
+            # reported as the loop reports a callback that raises, and the load goes on
+            loop.call_exception_handler({"message": "exception in a load's progress callback", "exception": exc})
+            return
+        if stop:
+            state["by_callback"] = True
+            cancel.set()
 
     def deliver() -> None:
         with pending_lock:
@@ -69,18 +107,7 @@ async def run_loader(
         for n, index in done:
             state["done"] += n
             by_device[device_of[index]] += n
-            if on_progress is None or cancel.is_set():
-                continue
-            try:
-                stop = on_progress(Progress(state["done"], total, dict(by_device))) is False
-            except Exception as exc:
-                # one chunk's callback failing must not drop the chunks batched with it:
-                # reported as the loop reports a callback that raises, and the load goes on
-                loop.call_exception_handler({"message": "exception in a load's progress callback", "exception": exc})
-                continue
-            if stop:
-                state["by_callback"] = True
-                cancel.set()
+            call(Progress(state["done"], state["total"], dict(by_device)))
 
     def report(done: list[tuple[int, int]]) -> None:
         # chunks are handed to the loop in batches, at most one every
@@ -97,7 +124,8 @@ async def run_loader(
         else:
             loop.call_soon_threadsafe(loop.call_later, wait, deliver)
 
-    worker = Worker(res.jobs, options, direct=direct, cancel=cancel, report=report, identities=identities)
+    worker: list[Worker] = []
+    concluded: list[T] = []
 
     def finish(exc: BaseException | None) -> None:
         if done_future.done():
@@ -107,39 +135,45 @@ async def run_loader(
         else:
             done_future.set_exception(exc)
 
-    concluded: list[T | None] = [None]
-
     def body() -> None:
+        nonlocal device_of
         error: BaseException | None = None
         started = time.perf_counter()
         try:
-            for file_index, (path, lo, hi) in (data_ranges or {}).items():
-                worker.files.take_residency(file_index, path, lo, hi)
-                if worker.files.wholly_resident(file_index):
+            how = setup()
+            # set before the first chunk is posted: the loop reads them in deliver
+            device_of, state["total"] = how.device_of, how.total
+            by_device.update(dict.fromkeys(how.device_of, 0))
+            loop.call_soon_threadsafe(call, Progress(0, how.total, dict(by_device)))
+            w = Worker(res.jobs, options, direct=how.direct, cancel=cancel, report=report, identities=how.identities)
+            worker.append(w)
+            for file_index, (path, lo, hi) in how.data_ranges.items():
+                w.files.take_residency(file_index, path, lo, hi)
+                if w.files.wholly_resident(file_index):
                     res.resident.add(file_index)
-            worker.stats.clocks["touch"].start()
+            w.stats.clocks["touch"].start()
             try:
-                prepare()
+                if not cancel.is_set():
+                    how.prepare()
             finally:
-                worker.stats.clocks["touch"].stop(sum(b.nbytes for b in res.buffers))
-            worker.jobs = res.jobs
+                w.stats.clocks["touch"].stop(sum(b.nbytes for b in res.buffers))
+            w.jobs = res.jobs
             if not cancel.is_set():
-                worker.run()
-            if conclude is not None and not cancel.is_set():
-                concluded[0] = conclude()
+                w.run()
+            if not cancel.is_set():
+                concluded.append(how.conclude())
         except BaseException as exc:  # handed to the awaiting task
             # the frames of the traceback hold views of the load's buffers: drop their
             # locals now, so that the buffers go when they are freed, not when a garbage
             # collection happens to break the traceback's reference cycles
             _clear_frames(exc)
             error = exc
-        worker.stats.seconds = time.perf_counter() - started
+        if worker:
+            worker[0].stats.seconds = time.perf_counter() - started
         loop.call_soon_threadsafe(deliver)  # what is still pending, before the result
         loop.call_soon_threadsafe(finish, error)
         error = None
 
-    if on_progress is not None and on_progress(Progress(0, total, dict(by_device))) is False:
-        raise LoadCancelledError("the load was cancelled by its progress callback before it started")
     thread = threading.Thread(target=body, name="hoist-load", daemon=True)
     thread.start()
     try:
@@ -157,9 +191,10 @@ async def run_loader(
     finally:
         # the loader has posted its result; it is at most returning now
         thread.join()
-    if state["by_callback"]:
+    if state["by_callback"] or not concluded:
         raise LoadCancelledError("the load was cancelled by its progress callback")
-    return worker.stats, dict(worker.invalid), dict(worker.hashes), concluded[0]
+    w = worker[0]
+    return w.stats, dict(w.invalid), dict(w.hashes), concluded[0]
 
 
 def _clear_frames(exc: BaseException) -> None:

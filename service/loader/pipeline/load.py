@@ -6,8 +6,7 @@ what the loader thread filled.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -18,7 +17,7 @@ from service.io.mapping import Mapping
 from service.loader.devices import MAPPED_BUFFER_NAME, CPUDevice, Device
 from service.loader.ggml_types import GGML_TYPES_BY_NAME, numpy_dtype, numpy_shape
 from service.loader.model import BufferInfo, LoadedModel, LoadedTensor, MemoryReport
-from service.loader.pipeline.boundary import run_loader
+from service.loader.pipeline.boundary import LoaderSetup, run_loader
 from service.loader.pipeline.layout import Resources, build
 from service.loader.pipeline.options import LoadOptions, ProgressCallback
 from service.loader.placement import LoadMode, MemorySnapshot, PlacementParams, Plan, TensorPlacement, plan
@@ -148,13 +147,20 @@ async def load_model(
     if params is None:
         mode = LoadMode.parse(load_mode) if isinstance(load_mode, str) else load_mode
         params = PlacementParams(load_mode=mode)
+    opts = options or LoadOptions()
     if chunk_nbytes is not None:
-        options = replace(options or LoadOptions(), chunk_nbytes=chunk_nbytes)
+        opts = replace(opts, chunk_nbytes=chunk_nbytes)
     check_loadable(index)
-    devices = list(devices) if devices is not None else [CPUDevice()]
-    placement = await asyncio.to_thread(_plan_now, index, devices, params)
-    check_budget(placement, staging=staging_nbytes(placement, devices, options or LoadOptions()))
-    return await load_plan(index, placement, devices, options=options, on_progress=on_progress)
+    chosen = list(devices) if devices is not None else [CPUDevice()]
+    placed = params
+
+    def planned() -> Plan:
+        # on the loader thread: planning and loading without a hand-over between them
+        placement = _plan_now(index, chosen, placed)
+        check_budget(placement, staging=staging_nbytes(placement, chosen, opts))
+        return placement
+
+    return await _load(index, planned, chosen, opts, on_progress)
 
 
 def _plan_now(index: WeightIndex, devices: Sequence[Device], params: PlacementParams) -> Plan:
@@ -174,21 +180,40 @@ async def load_plan(
 
     Raises: as :func:`load_model`, but the plan is taken as it is (no budget check).
     """
-    options = options or LoadOptions()
+    return await _load(index, lambda: placement, list(devices), options or LoadOptions(), on_progress)
+
+
+Finished = tuple[dict[str, LoadedTensor], LoadedTensor | None]
+"""The tensors of a finished load, by name, and the tied output's second copy."""
+
+
+async def _load(
+    index: WeightIndex,
+    planned: Callable[[], Plan],
+    devices: Sequence[Device],
+    options: LoadOptions,
+    on_progress: ProgressCallback | None,
+) -> LoadedModel:
+    """Plan (``planned``, on the loader thread) and load; the body of :func:`load_model`
+    and :func:`load_plan`."""
     res = Resources()
-    try:
-        stats, invalid, hashes, finished = await run_loader(
-            lambda: build(index, placement, devices, res),
-            {i: f.identity for i, f in enumerate(index.files)},
-            res,
-            sum(t.nbytes for t in placement.tensors),
-            options,
-            placement.load_mode is LoadMode.DIRECT_IO,
-            on_progress,
-            [t.device for t in placement.tensors],
-            _data_ranges(index, placement),
-            lambda: _finish_load(index, placement, res),
+    placements: list[Plan] = []
+
+    def setup() -> LoaderSetup[Finished]:
+        placement = planned()
+        placements.append(placement)
+        return LoaderSetup(
+            total=sum(t.nbytes for t in placement.tensors),
+            device_of=[t.device for t in placement.tensors],
+            identities={i: f.identity for i, f in enumerate(index.files)},
+            direct=placement.load_mode is LoadMode.DIRECT_IO,
+            data_ranges=_data_ranges(index, placement),
+            prepare=lambda: build(index, placement, devices, res),
+            conclude=lambda: _finish_load(index, placement, res),
         )
+
+    try:
+        stats, invalid, hashes, (tensors, tied) = await run_loader(setup, res, options, on_progress)
         if invalid:
             listed = "; ".join(f"tensor '{name}': {found.reason}" for name, found in invalid.items())
             raise InvalidDataError(
@@ -196,12 +221,11 @@ async def load_plan(
                 path=index.path,
                 tensors={name: found.reason for name, found in invalid.items()},
             )
-        assert finished is not None
-        tensors, tied = finished
     except BaseException:
         res.release()
         raise
     res.jobs.clear()
+    (placement,) = placements
     report = MemoryReport(
         tuple(BufferInfo(b.name, b.memory, b.nbytes, mapped=b.mapped, host=b.host) for b in placement.buffers)
     )
