@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from service.errors import RequestError
 from service.io import residency
+from service.io.align import PAGE_SIZE
 from service.loader.devices import discover_devices
 from service.loader.model import LoadedModel
 from service.loader.pipeline import LoadOptions, Progress, load_model
@@ -190,3 +191,65 @@ def test_direct_io_reads_the_resident_part_buffered(big_model: Path) -> None:
         assert abs(stats.bytes_from_cache - resident) <= 2 << 20  # routing absorbs stretches under 1 MiB
         assert stats.bytes_from_disk >= 2 * first.nbytes - (2 << 20)  # the evicted tensors: O_DIRECT
         assert_matches_reader(model, gguf.GGUFReader(big_model))
+
+
+# -- mapping ahead of the plan ---------------------------------------------------------------
+
+
+def _mapped_rss(addr: int, size: int) -> int:
+    """Resident bytes of this process's mappings inside ``[addr, addr + size)``."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, _, end = head.partition("-")
+                inside = addr <= int(start, 16) and int(end, 16) <= addr + size + PAGE_SIZE - 1
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) << 10
+    return total
+
+
+def test_map_ahead_faults_in_the_files_wholly_in_the_page_cache(big_model: Path) -> None:
+    from service.loader.pipeline.layout import Resources, map_ahead
+
+    index = open_model(big_model)
+    _evict(big_model)  # (skips where eviction does not work)
+    res = Resources()
+    map_ahead(index, res)
+    assert res.mappings == {}  # nothing cached: left to the load, which reads it in order
+    _warm(big_model)
+    map_ahead(index, res)
+    try:
+        (mapping,) = res.mappings.values()
+        first = index.files[0].data_offset
+        mapping.populate(first, mapping.size - first)  # waits for the thread: nothing left to fault in
+        assert _mapped_rss(mapping.addr, mapping.size) >= mapping.size - first
+    finally:
+        res.release()
+    assert leftovers(big_model, []) == (0, 0, 0, 0)
+
+
+def test_a_plan_that_fails_after_mapping_ahead_leaves_nothing(big_model: Path) -> None:
+    from service.errors import PlacementError
+
+    devs = discover_devices("EMU0=256MiB,EMU1=256MiB", cuda=False)
+    params = make_params(
+        [d.default_buffer_type.name for d in devs], load_mode="mmap", n_gpu_layers="all", tensor_split=[1, 1, 1]
+    )
+    _warm(big_model)
+    with pytest.raises(PlacementError, match="tensor_split has 3 values but 2 devices"):
+        asyncio.run(load_model(open_model(big_model), devices=devs, params=params))
+    assert leftovers(big_model, devs) == (0, 0, 0, 0)
+
+
+def test_a_file_rewritten_after_its_header_was_read_fails_a_mapped_load(big_model: Path) -> None:
+    from service.errors import StorageError
+
+    index = open_model(big_model)
+    data = big_model.read_bytes()
+    big_model.write_bytes(data[:-4096] + bytes(4096))  # same size, new contents: still in the page cache
+    os.utime(big_model, ns=(1, 1))
+    with pytest.raises(StorageError, match="changed since its header was read"):
+        asyncio.run(load_model(index, load_mode="mmap"))
+    assert leftovers(big_model, []) == (0, 0, 0, 0)

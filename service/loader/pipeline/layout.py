@@ -27,7 +27,9 @@ from typing import Any, Literal
 import numpy as np
 
 from service.errors import StorageError
-from service.io.align import align_up
+from service.io import residency
+from service.io.align import PAGE_SIZE, align_down, align_up
+from service.io.file import open_readonly
 from service.io.mapping import Mapping
 from service.io.meter import HOST_MEMORY
 from service.io.mlock import MemoryLock
@@ -156,6 +158,39 @@ def _read_ahead(index: WeightIndex, p: Plan) -> None:
         available -= will_read(index.files[file_index].path, ranges, available)
 
 
+def map_ahead(index: WeightIndex, res: Resources) -> None:
+    """Before planning a load that maps its files and reads none of them lazily: map
+    each file whose data section is wholly in the page cache and start faulting it in,
+    so that the faulting overlaps the planning (llama.cpp maps with ``MAP_POPULATE``
+    before it creates the tensors). :func:`build` uses these mappings. A file that
+    cannot be probed, opened or mapped, or that changed since it was parsed, is left
+    to :func:`build`, which reports it.
+    """
+    for file_index, gguf_file in enumerate(index.files):
+        lo, hi = gguf_file.data_offset, gguf_file.file_size
+        if hi <= lo or file_index in res.mappings:
+            continue
+        try:
+            fd = open_readonly(gguf_file.path)
+        except StorageError:
+            continue
+        try:
+            npages = (align_up(hi, PAGE_SIZE) - align_down(lo, PAGE_SIZE)) // PAGE_SIZE
+            cached = residency.cached_pages(fd, align_down(lo, PAGE_SIZE), npages * PAGE_SIZE)
+            if cached != npages or not residency.trusted(fd):
+                continue
+        finally:
+            os.close(fd)
+        try:
+            mapping = Mapping(gguf_file.path)
+        except StorageError:
+            continue
+        res.mappings[file_index] = mapping
+        if gguf_file.identity not in ((0, 0, 0, 0), mapping.identity):
+            continue  # build meets the change and reports it
+        mapping.populate_ahead([(lo, hi - lo)])
+
+
 def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources) -> None:
     """Map, allocate and lock what ``p`` needs, and fill ``res.views`` (plan index ->
     raw view of the tensor's bytes) and ``res.jobs`` in load order.
@@ -216,7 +251,8 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
     file_locks: dict[int, MemoryLock] = {}
     for file_index in sorted(by_file):
         gguf_file = index.files[file_index]
-        mapping = res.mappings[file_index] = Mapping(gguf_file.path)
+        mapping = res.mappings.get(file_index) or Mapping(gguf_file.path)
+        res.mappings[file_index] = mapping
         check_identity(gguf_file.path, gguf_file.identity, mapping.identity)
         resident = file_index in res.resident
         # lazy ranges are read at random, on demand; the rest is needed now (read-ahead

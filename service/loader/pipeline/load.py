@@ -18,9 +18,19 @@ from service.loader.devices import MAPPED_BUFFER_NAME, CPUDevice, Device
 from service.loader.ggml_types import GGML_TYPES_BY_NAME, numpy_dtype, numpy_shape
 from service.loader.model import BufferInfo, LoadedModel, LoadedTensor, MemoryReport
 from service.loader.pipeline.boundary import LoaderSetup, run_loader
-from service.loader.pipeline.layout import Resources, build
+from service.loader.pipeline.layout import Resources, build, map_ahead
 from service.loader.pipeline.options import LoadOptions, ProgressCallback
-from service.loader.placement import LoadMode, MemorySnapshot, PlacementParams, Plan, TensorPlacement, plan
+from service.loader.placement import (
+    LazyMode,
+    LoadMode,
+    MemorySnapshot,
+    PlacementParams,
+    Plan,
+    TensorPlacement,
+    plan,
+)
+from service.loader.placement.params import LAZY_ELIGIBLE
+from service.loader.placement.plan import resolve_mmap
 from service.loader.weights import WeightIndex
 
 __all__ = [
@@ -160,7 +170,12 @@ async def load_model(
         check_budget(placement, staging=staging_nbytes(placement, chosen, opts))
         return placement
 
-    return await _load(index, planned, chosen, opts, on_progress)
+    # a mapped load without lazy tensors faults each file in whole (as llama.cpp does):
+    # where nothing is read from disk, that can start before the plan
+    early = resolve_mmap(params.load_mode, chosen) and (
+        params.lazy_mode is LazyMode.OFF or not any(name in index.weights for name in LAZY_ELIGIBLE)
+    )
+    return await _load(index, planned, chosen, opts, on_progress, map_early=early)
 
 
 def _plan_now(index: WeightIndex, devices: Sequence[Device], params: PlacementParams) -> Plan:
@@ -193,13 +208,19 @@ async def _load(
     devices: Sequence[Device],
     options: LoadOptions,
     on_progress: ProgressCallback | None,
+    *,
+    map_early: bool = False,
 ) -> LoadedModel:
     """Plan (``planned``, on the loader thread) and load; the body of :func:`load_model`
-    and :func:`load_plan`."""
+    and :func:`load_plan`. ``map_early``: the load maps its files whole, so the files
+    wholly in the page cache are mapped and faulted in while it plans
+    (:func:`~service.loader.pipeline.layout.map_ahead`)."""
     res = Resources()
     placements: list[Plan] = []
 
     def setup() -> LoaderSetup[Finished]:
+        if map_early:
+            map_ahead(index, res)
         placement = planned()
         placements.append(placement)
         return LoaderSetup(
