@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from service.cancel import CancelToken, check
 from service.errors import PlacementError
@@ -18,9 +18,9 @@ from service.loader.weights import WeightIndex
 MiB = 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class TensorPlacement:
-    """Where one tensor goes.
+class TensorPlacement(NamedTuple):
+    """Where one tensor goes (a named tuple: a plan makes one per tensor, and a tuple is
+    built several times faster than a frozen dataclass).
 
     Attributes:
         name: the tensor name.

@@ -362,9 +362,13 @@ def plan(
         k = layer_device(il, n_layer, ngl, chosen, points)
         return (cpu, cpu_list) if k < 0 else (chosen[k], gpu_lists[chosen[k].name])
 
+    # each repeating layer's name and list, then the output layer's (n_layer is bounded
+    # by LLAMA_MAX_LAYERS, and every repeating weight's block is below it)
+    layer_names = [f"blk.{il}" for il in range(n_layer)]
+    layer_lists = [layer_list(il) for il in range(n_layer + 1)]
     layers = {"input": cpu.name}
-    layers.update({f"blk.{il}": layer_list(il)[0].name for il in range(n_layer)})
-    output_dev, output_list = layer_list(n_layer)
+    layers.update({layer_names[il]: layer_lists[il][0].name for il in range(n_layer)})
+    output_dev, output_list = layer_lists[n_layer]
     layers["output"] = output_dev.name
 
     bufts: dict[str, tuple[Device, BufferType]] = {}
@@ -423,12 +427,12 @@ def plan(
             and (lazy_mode is LazyMode.ON or w.nbytes > LAZY_AUTO_MIN_NBYTES)
         )
         if cls.layer_class is LayerClass.INPUT:
-            layer, (_, buft_list) = "input", (cpu, cpu_list)
+            layer, buft_list = "input", cpu_list
         elif cls.layer_class is LayerClass.OUTPUT:
             layer, buft_list = "output", output_list
         else:
             block = cls.block or 0
-            layer, (_, buft_list) = f"blk.{block}", layer_list(block)
+            layer, buft_list = layer_names[block], layer_lists[block][1]
         ggml_type = w.info.ggml_type.name
         if lazy:
             # read on demand from the mapping, on the CPU whatever -ngl says
