@@ -35,7 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache, lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from service.loader.tensor_table import ARCHITECTURES, KINDS, LORA_EXPERTS, SUFFIXES, TIED_OUTPUT
 
@@ -54,9 +54,8 @@ UNUSED_OP = "NONE"
 Source = Literal["architecture", "table", "names"]
 
 
-@dataclass(frozen=True, slots=True)
-class TensorClass:
-    """How a weight is used.
+class TensorClass(NamedTuple):
+    """How a weight is used (a named tuple: a plan makes one per weight).
 
     Attributes:
         layer_class: input, output or repeating.

@@ -161,7 +161,7 @@ def test_templates_agree_with_gguf_py() -> None:
     """gguf-py names the same tensor kinds (``MODEL_TENSOR``) with the same templates."""
     names = gguf.constants.TENSOR_NAMES
     # gguf-py spells these per-expert and activation-scale tensors differently
-    differ = {"FFN_ACT", "FFN_GATE_EXPS", "FFN_DOWN_EXP", "FFN_UP_EXP"}
+    differ = {"FFN_ACT", "FFN_GATE_EXP", "FFN_DOWN_EXP", "FFN_UP_EXP"}
     compared = 0
     for kind, (template, _, _) in KINDS.items():
         member = getattr(gguf.MODEL_TENSOR, kind, None)
