@@ -37,6 +37,9 @@ OVERRIDE_CPU_WITH_MMAP = (
 )
 
 
+_INPUT, _OUTPUT, _REPEATING = LayerClass.INPUT.value, LayerClass.OUTPUT.value, LayerClass.REPEATING.value
+"""The layer classes as a :class:`TensorPlacement` gives them (strings)."""
+
 BIG_ENDIAN_WARNING = (
     "the file is big-endian: it can be planned but not loaded; convert it with gguf-py's "
     "`gguf-convert-endian FILE little`"
@@ -427,12 +430,12 @@ def plan(
             and (lazy_mode is LazyMode.ON or w.nbytes > LAZY_AUTO_MIN_NBYTES)
         )
         if cls.layer_class is LayerClass.INPUT:
-            layer, buft_list = "input", cpu_list
+            layer, layer_class, buft_list = "input", _INPUT, cpu_list
         elif cls.layer_class is LayerClass.OUTPUT:
-            layer, buft_list = "output", output_list
+            layer, layer_class, buft_list = "output", _OUTPUT, output_list
         else:
             block = cls.block or 0
-            layer, buft_list = layer_names[block], layer_lists[block][1]
+            layer, layer_class, buft_list = layer_names[block], _REPEATING, layer_lists[block][1]
         ggml_type = w.info.ggml_type.name
         if lazy:
             # read on demand from the mapping, on the CPU whatever -ngl says
@@ -441,7 +444,7 @@ def plan(
             dev, buft, which = choose(w.name, ggml_type, cls.op, buft_list)
         placed.append(
             TensorPlacement(
-                w.name, ggml_type, w.nbytes, w.file_index, w.offset, layer, cls.layer_class.value, cls.op,
+                w.name, ggml_type, w.nbytes, w.file_index, w.offset, layer, layer_class, cls.op,
                 dev.name if not buft.is_host else "CPU", buft.name, override=which, lazy=lazy,
             )
         )  # fmt: skip
@@ -457,7 +460,7 @@ def plan(
         if buft.name != first.buffer_type:
             placed.append(
                 TensorPlacement(
-                    w.name, ggml_type, w.nbytes, w.file_index, w.offset, "output", LayerClass.OUTPUT.value,
+                    w.name, ggml_type, w.nbytes, w.file_index, w.offset, "output", _OUTPUT,
                     "MUL_MAT", dev.name if not buft.is_host else "CPU", buft.name, role="tied_output", override=which,
                 )
             )  # fmt: skip
