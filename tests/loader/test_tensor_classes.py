@@ -428,7 +428,7 @@ def test_kept_classes_are_the_computed_ones_and_bounded(monkeypatch: pytest.Monk
     monkeypatch.setattr(tc, "CLASSIFIED_KEPT", 2)
     first = [table.classify(n) for n in names]
     assert first == [table.classify(n) for n in names] == [table._classify(n) for n in names]
-    assert len(table._seen) == 2
+    assert len(table._seen) == 2 and len(table._by_template) == 2
     # the shared table answers as a fresh one does
     assert [table_for("llama").classify(n) for n in names] == first
 
