@@ -35,7 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache, lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from service.loader.tensor_table import ARCHITECTURES, KINDS, LORA_EXPERTS, SUFFIXES, TIED_OUTPUT
 
@@ -54,9 +54,8 @@ UNUSED_OP = "NONE"
 Source = Literal["architecture", "table", "names"]
 
 
-@dataclass(frozen=True, slots=True)
-class TensorClass:
-    """How a weight is used.
+class TensorClass(NamedTuple):
+    """How a weight is used (a named tuple: a plan makes one per weight).
 
     Attributes:
         layer_class: input, output or repeating.
@@ -82,24 +81,21 @@ class TensorClass:
         return self.op == UNUSED_OP
 
 
-_NUMBER = re.compile(r"[0-9]+")
 _SUFFIXES = frozenset(SUFFIXES)
 _MAX_LAYER_DIGITS = 18  # longer layer numbers are out of range anyway; int() of huge strings is slow
 
 
-def _template_of(name: str) -> tuple[str, int | None, str | None]:
-    """``name`` as a template: dot-separated all-digit parts become ``%d``. Returns the
-    template, the first such number (None if none) and the suffix part (None if the last
-    part is not a suffix)."""
+def _template_of(name: str) -> tuple[str, int | None]:
+    """``name`` as a template: dot-separated parts of ASCII digits become ``%d``. Returns
+    the template and the first such number (None if none)."""
     parts = name.split(".")
     first: int | None = None
     for i, part in enumerate(parts):
-        if _NUMBER.fullmatch(part):
+        if part.isdigit() and part.isascii():
             if first is None:
                 first = int(part) if len(part) <= _MAX_LAYER_DIGITS else 10**_MAX_LAYER_DIGITS
             parts[i] = "%d"
-    suffix = parts[-1] if len(parts) > 1 and parts[-1] in _SUFFIXES else None
-    return ".".join(parts), first, suffix
+    return ".".join(parts), first
 
 
 def _op_for(kind: str, suffix: str | None, lora_experts: bool) -> str:
@@ -114,16 +110,32 @@ def _op_for(kind: str, suffix: str | None, lora_experts: bool) -> str:
     return op
 
 
-def _from_kind(kind: str, first: int | None, suffix: str | None, lora_experts: bool, source: Source) -> TensorClass:
+@dataclass(frozen=True, slots=True)
+class _TemplateClass:
+    """What a name template decides for every weight spelled by it: all of its
+    :class:`TensorClass` but the block, and whether the block is the name's number.
+    """
+
+    layer_class: LayerClass
+    op: str
+    kind: str
+    source: Source
+    numbered: bool
+
+    def for_number(self, first: int | None) -> TensorClass:
+        """The class of a weight of this template whose first number is ``first``:
+        llama.cpp picks a repeating weight's buffer type list with the number its name
+        is built with; kinds without one are created with layer 0's."""
+        block = None
+        if self.layer_class is LayerClass.REPEATING:
+            block = first if self.numbered and first is not None else 0
+        return TensorClass(self.layer_class, self.op, block, self.kind, self.source)
+
+
+def _template_class(kind: str, suffix: str | None, lora_experts: bool, source: Source) -> _TemplateClass:
     template, layer, _ = KINDS[kind]
     assert layer is not None
-    layer_class = LayerClass(layer)
-    block = None
-    if layer_class is LayerClass.REPEATING:
-        # llama.cpp picks the layer's buffer type list with the number the name is built
-        # with; kinds without one are created with layer 0's
-        block = first if "%d" in template and first is not None else 0
-    return TensorClass(layer_class, _op_for(kind, suffix, lora_experts), block, kind, source)
+    return _TemplateClass(LayerClass(layer), _op_for(kind, suffix, lora_experts), kind, source, "%d" in template)
 
 
 @dataclass(frozen=True)
@@ -146,12 +158,13 @@ class ArchitectureTable:
     tied_output: bool
     lora_experts: bool
     _seen: dict[str, TensorClass] = field(default_factory=dict, compare=False, repr=False)
+    _by_template: dict[str, _TemplateClass | None] = field(default_factory=dict, compare=False, repr=False)
 
     def classify(self, name: str) -> TensorClass:
         """The layer class and op of the weight ``name`` (llama.cpp's
         ``llm_tensor_info_for`` and the op choice of ``create_tensor``); see the module
         docstring for names outside the table. Answers are kept for the next model of
-        the architecture (up to :data:`CLASSIFIED_KEPT` names)."""
+        the architecture (up to :data:`CLASSIFIED_KEPT` names, and as many templates)."""
         found = self._seen.get(name)
         if found is None:
             found = self._classify(name)
@@ -160,20 +173,34 @@ class ArchitectureTable:
         return found
 
     def _classify(self, name: str) -> TensorClass:
-        template, first, suffix = _template_of(name)
+        template, first = _template_of(name)
+        if template in self._by_template:
+            decided = self._by_template[template]
+        else:
+            decided = self._decide(template)
+            if len(self._by_template) < CLASSIFIED_KEPT:
+                self._by_template[template] = decided
+        if decided is None:
+            return _by_name_rules(name)
+        return decided.for_number(first)
+
+    def _decide(self, template: str) -> _TemplateClass | None:
+        """What the tables say of ``template``: the file's architecture's first, then
+        every architecture's; None when neither spells it (name rules decide)."""
         candidates: list[tuple[str, str | None]] = [(template, None)]
-        if suffix is not None:
-            candidates.append((template.rpartition(".")[0], suffix))
-        sources: tuple[tuple[dict[str, str], Source], ...] = (
-            (self.templates, "architecture"),
-            (_all_templates(), "table"),
-        )
-        for templates, source in sources:
-            for tmpl, sfx in candidates:
-                kind = templates.get(tmpl)
-                if kind is not None:
-                    return _from_kind(kind, first, sfx, self.lora_experts, source)
-        return _by_name_rules(name)
+        base, dot, last = template.rpartition(".")
+        if dot and last in _SUFFIXES:
+            candidates.append((base, last))
+        for tmpl, sfx in candidates:
+            kind = self.templates.get(tmpl)
+            if kind is not None:
+                return _template_class(kind, sfx, self.lora_experts, "architecture")
+        every = _all_templates()
+        for tmpl, sfx in candidates:
+            kind = every.get(tmpl)
+            if kind is not None:
+                return _template_class(kind, sfx, self.lora_experts, "table")
+        return None
 
 
 @cache

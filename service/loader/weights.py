@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 from service.cancel import CancelToken, check
 from service.errors import HeaderTooLargeError, SplitError, TensorBoundsError
@@ -35,9 +35,8 @@ def load_order_key(name: str) -> tuple[int, str]:
     return (layer_of(name), name)
 
 
-@dataclass(frozen=True, slots=True)
-class TensorWeight:
-    """Where one tensor's data lives.
+class TensorWeight(NamedTuple):
+    """Where one tensor's data lives (a named tuple: the index makes one per tensor).
 
     Attributes:
         name: the tensor name.

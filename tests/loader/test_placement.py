@@ -264,6 +264,32 @@ def test_mapped_ranges_are_own_minus_others(tmp_path: Path) -> None:
             assert b.file_range is not None and b.file_range[0] <= t.offset < t.offset + t.nbytes <= b.file_range[1]
 
 
+def test_each_mapped_tensor_is_held_by_the_range_it_lies_in(tmp_path: Path) -> None:
+    """Checked one tensor at a time: a tensor of a context that wraps the file belongs to
+    exactly the mapped buffer of its context and file whose range it lies in."""
+    path = block_model(tmp_path / "m.gguf", 4, output=False, per_block=("attn_q.weight", "ffn_up.weight"))
+    p = make_plan(path, "EMU0=1GiB", n_gpu_layers=3, override_tensor=["ffn_=CPU"])
+    mapped = [b for b in p.buffers if b.mapped]
+    assert {b.buffer_type for b in mapped} == {"CPU"} and len(mapped) > 1
+    wrapped = {(b.lazy, b.buffer_type) for b in mapped}
+    expected: dict[int, list[int]] = {k: [] for k in range(len(p.buffers))}
+    for i in sorted(range(len(p.tensors)), key=lambda i: p.tensors[i].offset):
+        t = p.tensors[i]
+        if (t.lazy, t.buffer_type) not in wrapped:
+            continue
+        homes = [
+            k
+            for k, b in enumerate(p.buffers)
+            if b.mapped and (b.lazy, b.buffer_type) == (t.lazy, t.buffer_type) and b.file_index == t.file_index
+            and b.file_range is not None and b.file_range[0] <= t.offset and t.offset + t.nbytes <= b.file_range[1]
+        ]  # fmt: skip
+        assert len(homes) == 1, t.name
+        expected[homes[0]].append(i)
+    assert {k: list(b.tensors) for k, b in enumerate(p.buffers) if b.mapped} == {
+        k: v for k, v in expected.items() if p.buffers[k].mapped
+    }
+
+
 def test_plan_is_deterministic(tmp_path: Path) -> None:
     path = block_model(tmp_path / "m.gguf", 6)
     devs = devices("EMU0=1GiB,EMU1=2GiB")

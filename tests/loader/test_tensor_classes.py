@@ -428,6 +428,34 @@ def test_kept_classes_are_the_computed_ones_and_bounded(monkeypatch: pytest.Monk
     monkeypatch.setattr(tc, "CLASSIFIED_KEPT", 2)
     first = [table.classify(n) for n in names]
     assert first == [table.classify(n) for n in names] == [table._classify(n) for n in names]
-    assert len(table._seen) == 2
+    assert len(table._seen) == 2 and len(table._by_template) == 2
     # the shared table answers as a fresh one does
     assert [table_for("llama").classify(n) for n in names] == first
+
+
+def test_names_sharing_a_template_keep_their_own_number_and_suffix() -> None:
+    """A table decides each name template once; every name spelled with it still gets its
+    own layer number and its suffix's op, whatever was classified before it."""
+    import service.loader.tensor_classes as tc
+
+    expected = {
+        "blk.3.attn_q.weight": (R, "MUL_MAT", 3, "ATTN_Q", "architecture"),
+        "blk.5.attn_q.weight": (R, "MUL_MAT", 5, "ATTN_Q", "architecture"),
+        "blk.3.attn_q.bias": (R, "ADD", 3, "ATTN_Q", "architecture"),
+        "blk.07.ffn_gate_exps.weight": (R, "MUL_MAT_ID", 7, "FFN_GATE_EXPS", "architecture"),
+        "blk.7.ffn_gate_exps.bias": (R, "ADD_ID", 7, "FFN_GATE_EXPS", "architecture"),
+        # a literal %d is no layer number: the kind's layer 0
+        "blk.%d.attn_q.weight": (R, "MUL_MAT", 0, "ATTN_Q", "architecture"),
+        # digits other than ASCII are no layer number either: not in any table, not blk.N
+        "blk.\u0663.attn_q.weight": (IN, "GET_ROWS", None, None, "names"),
+        "blk.2.my_norm.weight": (R, "MUL", 2, None, "names"),
+        "blk.4.my_norm.weight": (R, "MUL", 4, None, "names"),
+        "enc.blk.1.attn_q.weight": (R, "MUL_MAT", 1, "ENC_ATTN_Q", "table"),
+        "enc.blk.6.attn_q.weight": (R, "MUL_MAT", 6, "ENC_ATTN_Q", "table"),
+    }
+    assert table_for("llama").templates["blk.%d.ffn_gate_exps"] == "FFN_GATE_EXPS"
+    for order in (list(expected), list(reversed(expected))):
+        table = tc.ArchitectureTable("llama", True, dict(table_for("llama").templates), False, False)
+        for name in order:
+            got = table.classify(name)
+            assert (got.layer_class, got.op, got.block, got.kind, got.source) == expected[name], name

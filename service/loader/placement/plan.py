@@ -37,6 +37,9 @@ OVERRIDE_CPU_WITH_MMAP = (
 )
 
 
+_INPUT, _OUTPUT, _REPEATING = LayerClass.INPUT.value, LayerClass.OUTPUT.value, LayerClass.REPEATING.value
+"""The layer classes as a :class:`TensorPlacement` gives them (strings)."""
+
 BIG_ENDIAN_WARNING = (
     "the file is big-endian: it can be planned but not loaded; convert it with gguf-py's "
     "`gguf-convert-endian FILE little`"
@@ -362,9 +365,13 @@ def plan(
         k = layer_device(il, n_layer, ngl, chosen, points)
         return (cpu, cpu_list) if k < 0 else (chosen[k], gpu_lists[chosen[k].name])
 
+    # each repeating layer's name and list, then the output layer's (n_layer is bounded
+    # by LLAMA_MAX_LAYERS, and every repeating weight's block is below it)
+    layer_names = [f"blk.{il}" for il in range(n_layer)]
+    layer_lists = [layer_list(il) for il in range(n_layer + 1)]
     layers = {"input": cpu.name}
-    layers.update({f"blk.{il}": layer_list(il)[0].name for il in range(n_layer)})
-    output_dev, output_list = layer_list(n_layer)
+    layers.update({layer_names[il]: layer_lists[il][0].name for il in range(n_layer)})
+    output_dev, output_list = layer_lists[n_layer]
     layers["output"] = output_dev.name
 
     bufts: dict[str, tuple[Device, BufferType]] = {}
@@ -423,12 +430,12 @@ def plan(
             and (lazy_mode is LazyMode.ON or w.nbytes > LAZY_AUTO_MIN_NBYTES)
         )
         if cls.layer_class is LayerClass.INPUT:
-            layer, (_, buft_list) = "input", (cpu, cpu_list)
+            layer, layer_class, buft_list = "input", _INPUT, cpu_list
         elif cls.layer_class is LayerClass.OUTPUT:
-            layer, buft_list = "output", output_list
+            layer, layer_class, buft_list = "output", _OUTPUT, output_list
         else:
             block = cls.block or 0
-            layer, (_, buft_list) = f"blk.{block}", layer_list(block)
+            layer, layer_class, buft_list = layer_names[block], _REPEATING, layer_lists[block][1]
         ggml_type = w.info.ggml_type.name
         if lazy:
             # read on demand from the mapping, on the CPU whatever -ngl says
@@ -437,7 +444,7 @@ def plan(
             dev, buft, which = choose(w.name, ggml_type, cls.op, buft_list)
         placed.append(
             TensorPlacement(
-                w.name, ggml_type, w.nbytes, w.file_index, w.offset, layer, cls.layer_class.value, cls.op,
+                w.name, ggml_type, w.nbytes, w.file_index, w.offset, layer, layer_class, cls.op,
                 dev.name if not buft.is_host else "CPU", buft.name, override=which, lazy=lazy,
             )
         )  # fmt: skip
@@ -453,7 +460,7 @@ def plan(
         if buft.name != first.buffer_type:
             placed.append(
                 TensorPlacement(
-                    w.name, ggml_type, w.nbytes, w.file_index, w.offset, "output", LayerClass.OUTPUT.value,
+                    w.name, ggml_type, w.nbytes, w.file_index, w.offset, "output", _OUTPUT,
                     "MUL_MAT", dev.name if not buft.is_host else "CPU", buft.name, role="tied_output", override=which,
                 )
             )  # fmt: skip
