@@ -232,6 +232,11 @@ class Mapping:
         if self._ahead is None and ranges:
             self._ahead = _Ahead(self, list(ranges))
 
+    @property
+    def populating_ahead(self) -> bool:
+        """:meth:`populate_ahead` was called (its thread may have finished)."""
+        return self._ahead is not None
+
     def populate(self, offset: int, nbytes: int, *, ahead: bool = True) -> None:
         """Fault in ``[offset, offset + nbytes)`` now, reading it from disk if needed
         (nothing when :meth:`populate_ahead` already brought the range in; ``ahead``

@@ -181,6 +181,7 @@ def _extents_of(group: Sequence[TensorJob], alignment: int, limits: ExtentLimits
         else:
             step = limits.chunk_nbytes
         bounds = []
+        count = len(group)
         pos, at, skip = begin, 0, 0
         while pos < end:
             if in_place:
@@ -189,42 +190,58 @@ def _extents_of(group: Sequence[TensorJob], alignment: int, limits: ExtentLimits
             else:
                 hi = min(pos + step, end)
             if branch == "staged":
-                while at < len(group) and group[at].offset + group[at].nbytes <= pos:
+                while at < count and group[at].offset + group[at].nbytes <= pos:
                     at += 1
                 hi = _cut(group, pos, hi, at)
             bounds.append((pos, hi))
             pos = hi
             # a gap between tensors is not read on its own: the next extent starts at
             # the next tensor
-            while skip < len(group) and _before(group[skip], pos):
+            while skip < count and _before(group[skip], pos):
                 skip += 1
-            if skip < len(group) and group[skip].offset > pos:
+            if skip < count and group[skip].offset > pos:
                 pos = group[skip].offset
         if not bounds or bounds[-1][1] < end:
             bounds.append((end, end))  # a zero-byte tensor after the last gap
+    return _cut_pieces(group, bounds, branch, alignment if aligned_reads else 1)
+
+
+def _cut_pieces(
+    group: Sequence[TensorJob], bounds: list[tuple[int, int]], branch: Branch, alignment: int
+) -> list[Extent]:
+    """The extents of ``group`` over the file ranges ``bounds`` (in order), each with the
+    parts of the tensors it holds; ``alignment`` > 1: their reads are aligned to it."""
     out: list[Extent] = []
+    file_index = group[0].file_index
+    count = len(group)
+    last = len(bounds) - 1
     j = 0
     for n, (lo, hi) in enumerate(bounds):
-        final = n == len(bounds) - 1
         pieces: list[Piece] = []
-        while j < len(group):
+        while j < count:
             job = group[j]
-            job_end = job.offset + job.nbytes
-            if job.nbytes == 0:
-                if job.offset < hi or final:
-                    pieces.append(Piece(job, job.offset, job.offset))
+            offset, nbytes = job.offset, job.nbytes
+            if nbytes == 0:
+                if offset < hi or n == last:
+                    pieces.append(Piece(job, offset, offset))
                     j += 1
                     continue
                 break
-            if job.offset >= hi:
+            if offset >= hi:
                 break
-            pieces.append(Piece(job, max(lo, job.offset), min(hi, job_end)))
+            job_end = offset + nbytes
+            pieces.append(Piece(job, lo if lo > offset else offset, hi if hi < job_end else job_end))
             if job_end > hi:
                 break
             j += 1
-        aligned = aligned_reads and hi > lo  # nothing is read for zero-byte tensors alone
-        read_lo, read_hi = (align_down(lo, alignment), align_up(hi, alignment)) if aligned else (lo, hi)
-        out.append(Extent(branch, first.file_index, lo, hi, read_lo, read_hi, tuple(pieces), aligned))
+        if alignment > 1 and hi > lo:  # nothing is read for zero-byte tensors alone
+            out.append(
+                Extent(
+                    branch, file_index, lo, hi, align_down(lo, alignment), align_up(hi, alignment), tuple(pieces), True
+                )
+            )
+        else:
+            out.append(Extent(branch, file_index, lo, hi, lo, hi, tuple(pieces), False))
     return out
 
 

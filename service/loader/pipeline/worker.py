@@ -250,6 +250,16 @@ class Worker:
             if self.cancel.is_set():
                 break
             handler = self.handlers[extent.branch]
+            if handler.inline and not in_flight:
+                # nothing ahead of it: prepared, read and completed in place
+                ticket = handler.prepare(extent)
+                if ticket is CANCELLED:
+                    break
+                self.readers.start(handler.read, extent, ticket, inline=True)
+                handler.complete(extent, ticket)
+                if i + 1 < len(extents):
+                    self.handlers[extents[i + 1].branch].touch_ahead(extents[i + 1])
+                continue
             slots = handler.slots(extent)
             key = slots[0] if slots else None
             while in_flight and (
