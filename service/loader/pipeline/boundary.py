@@ -81,7 +81,7 @@ async def run_loader(
     by_device: dict[str, int] = {}
     device_of: Sequence[str] = ()
 
-    pending: list[tuple[int, int]] = []
+    pending: list[list[tuple[int, int]]] = []
     pending_lock = threading.Lock()
     post = {"scheduled": False, "last": -PROGRESS_POST_SECONDS}
 
@@ -104,17 +104,18 @@ async def run_loader(
             done = pending[:]
             pending.clear()
             post["scheduled"], post["last"] = False, time.monotonic()
-        for n, index in done:
-            state["done"] += n
-            by_device[device_of[index]] += n
+        for chunk in done:
+            for n, index in chunk:
+                state["done"] += n
+                by_device[device_of[index]] += n
             call(Progress(state["done"], state["total"], dict(by_device)))
 
-    def report(done: list[tuple[int, int]]) -> None:
+    def report(chunk: list[tuple[int, int]]) -> None:
         # chunks are handed to the loop in batches, at most one every
         # PROGRESS_POST_SECONDS: each wake-up of the loop takes the interpreter from the
         # loader thread (a callback still runs for every chunk)
         with pending_lock:
-            pending.extend(done)
+            pending.append(chunk)
             if post["scheduled"]:
                 return
             post["scheduled"] = True

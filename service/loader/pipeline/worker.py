@@ -110,8 +110,8 @@ class Worker:
         options: the load's tunables.
         direct: read with ``O_DIRECT`` (direct-io load mode).
         cancel: set to stop at the next chunk.
-        report: called with the chunks done, each as its bytes and the index (in the
-            plan) of the tensor they belong to.
+        report: called with each chunk done, as the bytes of each tensor in it and the
+            tensor's index in the plan.
         identities: file index -> the file's identity when its header was parsed; a
             file opened for data must still be that file.
 
@@ -156,7 +156,7 @@ class Worker:
     # -- what handlers use ------------------------------------------------------------------
 
     def report_pieces(self, extent: Extent) -> None:
-        """Count and report the tensor bytes of ``extent`` (one report per piece)."""
+        """Count and report the tensor bytes of ``extent``, one chunk."""
         done = [(piece.hi - piece.lo, piece.job.index) for piece in extent.pieces if piece.hi > piece.lo]
         branches = self.stats.branches
         branches[extent.branch] = branches.get(extent.branch, 0) + sum(n for n, _ in done)
