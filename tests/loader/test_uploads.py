@@ -1,19 +1,27 @@
 """Staged uploads: the emulated device's stream and its stamped events, the upload
-stage's timing (from the stamps, or by a thread for streams that do not stamp)."""
+stage's timing (from the stamps, or by a thread for streams that do not stamp), and
+which thread reads staged extents."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from service.loader.devices import EMUDevice
+from service.loader.devices import EMUDevice, discover_devices
 from service.loader.devices.emulated import EMUStream
+from service.loader.pipeline import LoadOptions, load_model
+from service.loader.pipeline.branches import Staged
 from service.loader.pipeline.stats import StageClock
 from service.loader.pipeline.upload import Uploader
+from service.loader.placement import make_params
+from service.loader.weights import open_model
+from tests.loader.test_load_modes import assert_bytes_equal_file, leftovers, write_synthetic
 
 CHUNK = 256 << 10
 
@@ -75,3 +83,32 @@ def test_the_upload_stage_is_timed_as_the_bus_allows(monkeypatch: pytest.MonkeyP
     dest.free()
     assert device.allocated == 0
     assert not any(t.name.startswith(f"hoist-{device.name}") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("mode", ["none", "direct-io"])
+def test_staged_reads_run_on_the_loader_thread_unless_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # from the page cache a staged read is a copy that costs less than a hand-off to a
+    # reader thread; direct reads wait on the disk and are kept in flight together
+    path = write_synthetic(tmp_path / "m.gguf", 5)
+    threads: list[str] = []
+    read = Staged.read
+
+    def spy(self: Staged, extent: Any, ticket: Any) -> None:
+        threads.append(threading.current_thread().name)
+        read(self, extent, ticket)
+
+    monkeypatch.setattr(Staged, "read", spy)
+    devs = discover_devices("EMU0=256MiB", cuda=False)
+    params = make_params([d.default_buffer_type.name for d in devs], load_mode=mode, n_gpu_layers="all")
+    options = LoadOptions(reads_in_flight=4, staging_nbytes=64 << 10)
+    with asyncio.run(load_model(open_model(path), devices=devs, params=params, options=options)) as model:
+        assert_bytes_equal_file(model, path)
+        assert model.stats.branches.get("staged", 0) > 0
+    assert len(threads) > 2
+    if mode == "none":
+        assert set(threads) == {"hoist-load"}
+    else:
+        assert all(name.startswith("hoist-read") for name in threads)
+    assert leftovers(path, devs) == (0, 0, 0, 0)
