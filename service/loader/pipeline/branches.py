@@ -242,8 +242,19 @@ class Staged(Handler):
         self.load.files.read(
             extent.first, staging, start, extent.lo, extent.hi, aligned=extent.aligned, counted=_parts(extent)
         )
+        if self.inline:
+            # on the loader thread, in load order: the upload is queued at once rather
+            # than when the read after it is issued, so the stream has one more buffer
+            self._hand_on(extent, ticket)
 
     def complete(self, extent: Extent, ticket: Any) -> None:
+        if not self.inline:
+            self._hand_on(extent, ticket)
+        self.load.report_pieces(extent)
+
+    def _hand_on(self, extent: Extent, ticket: Any) -> None:
+        """Queue the extent's validations, hashing and upload from its staging buffer,
+        which is reused once they are all done (loader thread, in load order)."""
         slot, _, base = ticket
         job = extent.first
         assert job.dest is not None and job.device is not None
@@ -263,7 +274,6 @@ class Staged(Handler):
             self.load.uploader(job.device).upload(
                 slot, job.dest, extent.dest_offset, base + (extent.lo - start), n, *checks
             )
-        self.load.report_pieces(extent)
 
 
 class Sync(Handler):
