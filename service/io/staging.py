@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -36,6 +37,10 @@ class FutureWaitable:
 
     def query(self) -> bool:
         return self.future.done()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until done or ``timeout`` seconds passed; True when done."""
+        return not futures_wait([self.future], timeout).not_done
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,14 +127,23 @@ class StagingPool(Generic[B]):
 
     @staticmethod
     def _wait(pending: list[Waitable], deadline: float) -> None:
-        """Poll ``pending`` until all of it completed; TimeoutError after ``deadline``."""
+        """Wait until all of ``pending`` completed; TimeoutError after ``deadline``.
+
+        Work that can be waited for with a timeout (a ``wait(seconds) -> bool`` method:
+        emulated devices' events, futures) wakes the caller as it completes; other work
+        (a CUDA event) is polled, at growing intervals up to 1 ms."""
         pause = 2e-5
-        while not all(w.query() for w in pending):
-            now = time.perf_counter()
-            if now >= deadline:
-                raise TimeoutError("staging buffer still in use")
-            time.sleep(min(pause, deadline - now))
-            pause = min(pause * 2, 1e-3)
+        for w in pending:
+            wait = getattr(w, "wait", None)
+            while not w.query():
+                now = time.perf_counter()
+                if now >= deadline:
+                    raise TimeoutError("staging buffer still in use")
+                if wait is not None:
+                    wait(deadline - now)
+                else:
+                    time.sleep(min(pause, deadline - now))
+                    pause = min(pause * 2, 1e-3)
 
     def record(self, index: int, *work: Waitable) -> None:
         """Record work that reads buffer ``index``; it is reused only after ``work``."""

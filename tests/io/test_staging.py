@@ -76,3 +76,41 @@ def test_acquire_times_out_and_keeps_its_place() -> None:
     # the rotation did not move: the next call waits for the same buffer and gets it
     assert pool.acquire(timeout=5) == (first, "a")
     assert pool.stats().waits == 1
+
+
+class Waits:
+    """Work that completes only once a caller waits for it with a timeout (so a pool
+    that polled without waiting would never see it done)."""
+
+    def __init__(self, completes: bool = True) -> None:
+        self.completes = completes
+        self.timeouts: list[float] = []
+        self._done = threading.Event()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        self.timeouts.append(timeout)
+        if self.completes:
+            self._done.set()
+        return self._done.wait(min(timeout, 0.01))
+
+
+def test_acquire_waits_on_work_that_can_be_waited_for() -> None:
+    pool = StagingPool(["a"])
+    i, _ = pool.acquire()
+    work = Waits()
+    pool.record(i, work)
+    assert pool.acquire(timeout=5) == (0, "a")
+    assert work.timeouts and all(0 < t <= 5 for t in work.timeouts)  # waited, within the timeout
+    assert pool.stats().waits == 1
+
+    stuck = Waits(completes=False)
+    pool.record(0, stuck)
+    with pytest.raises(TimeoutError):
+        pool.acquire(timeout=0.05)
+    assert stuck.timeouts and all(0 < t <= 0.05 for t in stuck.timeouts)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -166,6 +167,26 @@ def test_consecutive_tensors_contiguous_in_one_buffer_share_extents() -> None:
     assert [len(e.pieces) for e in extents] == [4, 4, 2]
     other = [*jobs[:5], TensorJob(5, "t5", "F32", 0, "m.gguf", 1320, 64, "read", dest=Dest("b2"))]  # type: ignore[arg-type]
     assert len({id(e.first.dest) for e in plan_extents(other, ExtentLimits(1 << 20, 1 << 20, 1 << 20), {})}) == 2
+
+
+@pytest.mark.parametrize("branch", ["staged", "read", "copy"])
+def test_an_extent_never_reads_another_tensors_bytes(branch: str) -> None:
+    # a buffer laid out as the file, loaded out of file order (biggest first): the small
+    # tensor between the two big ones is the same distance apart in the file and in the
+    # buffer, but it is not read (and moved) with them: it has its own turn
+    dest = Dest("buf")
+    sizes = [(0, 64 << 10), (64 << 10, 8 << 10), (72 << 10, 64 << 10)]
+    jobs = [
+        TensorJob(i, f"t{i}", "F32", 0, "m.gguf", 4096 + off, n, branch, dest=dest, dest_offset=off)  # type: ignore[arg-type]
+        for i, (off, n) in enumerate(sizes)
+    ]
+    ordered = [jobs[0], jobs[2], jobs[1]]
+    for alignment in (1, 4096):
+        extents = plan_extents(ordered, ExtentLimits(1 << 20, 1 << 20, 1 << 20), {0: alignment})
+        assert sum(e.hi - e.lo for e in extents) == sum(n for _, n in sizes)  # every byte once
+        assert sorted(p.job.index for e in extents for p in e.pieces) == [0, 1, 2]
+    # in file order the three are one run: one extent
+    assert len(plan_extents(jobs, ExtentLimits(1 << 20, 1 << 20, 1 << 20), {})) == 1
 
 
 def test_routing_reads_resident_stretches_buffered() -> None:

@@ -157,24 +157,37 @@ def test_backpressure_bounds_the_buffers_in_flight(tmp_path: Path) -> None:
         assert_bytes_equal_file(model, path)
 
 
-def test_load_order_without_mmap(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spec", ["EMU0=64MiB", "EMU0=64MiB:sync"])
+def test_load_order_without_mmap(tmp_path: Path, spec: str) -> None:
     path = write_model(tmp_path / "m.gguf", valid_tensors(3))
-    devs = discover_devices("EMU0=64MiB", cuda=False)
+    devs = discover_devices(spec, cuda=False)
     params = make_params(["CPU", "EMU0"], load_mode="none", n_gpu_layers=2, no_host=True)
-    p = plan(open_model(path), devs, params, memory=MemorySnapshot.take(devs))
+    index = open_model(path)
+    p = plan(index, devs, params, memory=MemorySnapshot.take(devs))
     from service.loader.pipeline.layout import Resources, build
 
     res = Resources()
     try:
-        build(open_model(path), p, devs, res)
+        build(index, p, devs, res)
         jobs = order_jobs(res.jobs, p)
     finally:
         res.release()
     kinds = [j.branch for j in jobs]
     first_host = kinds.index("read")
-    assert set(kinds[:first_host]) == {"staged"} and set(kinds[first_host:]) == {"read"}
-    staged_sizes = [j.nbytes for j in jobs[:first_host]]
-    assert staged_sizes == sorted(staged_sizes, reverse=True)
+    device = "sync" if spec.endswith(":sync") else "staged"
+    assert set(kinds[:first_host]) == {device} and set(kinds[first_host:]) == {"read"}
+    on_device = jobs[:first_host]
+    if device == "sync":
+        # each is read into a temporary buffer its size: the biggest while the fewest
+        # weights are resident (llama.cpp's order)
+        sizes = [j.nbytes for j in on_device]
+        assert sizes == sorted(sizes, reverse=True)
+    else:
+        # through the fixed staging buffers: in file order, neighbours share extents
+        offsets = [index.weights[j.name].offset for j in on_device]
+        assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+        sizes = [j.nbytes for j in on_device]
+        assert sizes != sorted(sizes, reverse=True)  # the fixture tells the two orders apart
 
 
 # -- lazy tensors -------------------------------------------------------------------------------

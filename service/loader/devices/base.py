@@ -82,6 +82,10 @@ class BufferType:
 class Event(ABC):
     """Completion of work queued on a stream (llama.cpp's ``ggml_backend_event``)."""
 
+    done_at: float | None = None
+    """``time.perf_counter()`` when the work completed, on streams that stamp their
+    events (:attr:`Stream.stamps_events`); None until then, and on other streams."""
+
     @abstractmethod
     def synchronize(self) -> None:
         """Block until the work recorded by this event is done; re-raises its error."""
@@ -94,6 +98,10 @@ class Event(ABC):
 class Stream(ABC):
     """An ordered queue of asynchronous copies to one device (a CUDA stream; a worker
     thread for emulated devices). Owned by one load; closed when it ends."""
+
+    stamps_events: bool = False
+    """Its events record when they complete (:attr:`Event.done_at`), so that uploads can
+    be timed afterwards without a thread waiting for each event."""
 
     @abstractmethod
     def upload(self, dest: DeviceBuffer, dest_offset: int, src: DeviceBuffer, src_offset: int, nbytes: int) -> Event:

@@ -87,6 +87,7 @@ class _ThreadEvent(Event):
 
     def set(self, error: BaseException | None = None) -> None:
         self.error = error
+        self.done_at = time.perf_counter()
         self._done.set()
 
     def synchronize(self) -> None:
@@ -97,14 +98,21 @@ class _ThreadEvent(Event):
     def query(self) -> bool:
         return self._done.is_set()
 
+    def wait(self, timeout: float) -> bool:
+        """Block until the copy is done or ``timeout`` seconds passed; True when done."""
+        return self._done.wait(timeout)
+
 
 class EMUStream(Stream):
     """Uploads to an emulated device on a worker thread, in order, each completing an
-    event (as a CUDA stream would); ``bandwidth`` bytes per second, if given, paces them."""
+    event (as a CUDA stream would) stamped with its completion time; ``bandwidth`` bytes
+    per second, if given, paces them."""
+
+    stamps_events = True
 
     def __init__(self, device: EMUDevice) -> None:
         self.device = device
-        self._queue: queue.Queue[tuple[Callable[[], None], _ThreadEvent] | None] = queue.Queue()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], _ThreadEvent] | None] = queue.SimpleQueue()
         self._aborted = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"hoist-{device.name}-stream", daemon=True)
         self._thread.start()

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.errors import StorageError
-from service.io.align import aligned_empty
+from service.io.align import PAGE_SIZE, aligned_empty
 from service.io.staging import FutureWaitable
+from service.io.touch import prefault
 from service.loader.devices.base import HostBuffer
 from service.loader.pipeline.extents import Extent
 from service.loader.pipeline.layout import TensorJob
@@ -191,7 +192,19 @@ class Copy(Handler):
 class Staged(Handler):
     """Tensors on a device that uploads asynchronously: read into a staging buffer,
     uploaded on the device's stream, validated and hashed there; the buffer is reused
-    once all are done."""
+    once all are done.
+
+    Buffered reads run on the loader thread (as llama.cpp's loader reads while the
+    stream copies): from the page cache a read into a staging buffer is a memory copy of
+    at most a staging buffer's size, which costs less than handing it to a reader thread
+    and back, and the loader and the device's stream are then the only two threads at
+    work, each about half of it. Direct reads go to the reader threads, several in flight
+    (the disk serves them in parallel); meanwhile the loader faults in the destination of
+    the next one (:meth:`touch_ahead`)."""
+
+    def __init__(self, load: Worker) -> None:
+        super().__init__(load)
+        self.inline = not load.direct
 
     def slots(self, extent: Extent) -> tuple[str, int] | None:
         device = extent.first.device
@@ -203,6 +216,19 @@ class Staged(Handler):
         assert device is not None
         got = self.load.uploader(device).acquire(self.load.cancel.is_set)
         return CANCELLED if got is None else got
+
+    def touch_ahead(self, extent: Extent) -> None:
+        """With reads on reader threads, fault in the pages of ``extent``'s destination
+        where the device's memory is host memory (an emulated device), on the loader
+        thread while the read before it runs: the copy on the device's stream then finds
+        them ready instead of zeroing them itself. (With reads on the loader thread the
+        stream's copies fault them in: the work stays split in halves.)"""
+        dest = extent.first.dest
+        if self.inline or dest is None or dest.buffer_type.is_host or extent.hi - extent.lo < PAGE_SIZE:
+            return
+        view = dest.view(extent.dest_offset, extent.hi - extent.lo)
+        if isinstance(view, np.ndarray):
+            prefault(view)
 
     def _staging(self, extent: Extent, ticket: Any) -> tuple[Any, int]:
         """The staging view the extent is read into and the file offset of its start."""
@@ -216,8 +242,19 @@ class Staged(Handler):
         self.load.files.read(
             extent.first, staging, start, extent.lo, extent.hi, aligned=extent.aligned, counted=_parts(extent)
         )
+        if self.inline:
+            # on the loader thread, in load order: the upload is queued at once rather
+            # than when the read after it is issued, so the stream has one more buffer
+            self._hand_on(extent, ticket)
 
     def complete(self, extent: Extent, ticket: Any) -> None:
+        if not self.inline:
+            self._hand_on(extent, ticket)
+        self.load.report_pieces(extent)
+
+    def _hand_on(self, extent: Extent, ticket: Any) -> None:
+        """Queue the extent's validations, hashing and upload from its staging buffer,
+        which is reused once they are all done (loader thread, in load order)."""
         slot, _, base = ticket
         job = extent.first
         assert job.dest is not None and job.device is not None
@@ -237,7 +274,6 @@ class Staged(Handler):
             self.load.uploader(job.device).upload(
                 slot, job.dest, extent.dest_offset, base + (extent.lo - start), n, *checks
             )
-        self.load.report_pieces(extent)
 
 
 class Sync(Handler):

@@ -118,13 +118,18 @@ def _joins(prev: TensorJob, job: TensorJob) -> bool:
         return prev.mapping is job.mapping and prev.lock is job.lock and 0 <= gap < RUN_ALIGNMENT
     same_dest = prev.dest is job.dest and prev.in_place == job.in_place and prev.device is job.device
     delta = job.offset - prev.offset
+    if not job.in_place and delta - prev.nbytes >= RUN_ALIGNMENT:
+        # a larger gap holds other tensors' bytes (loaded in their own turn): reading and
+        # moving it again would cost more than one more extent
+        return False
     return same_dest and delta == job.dest_offset - prev.dest_offset and (delta > 0 or prev.nbytes == 0)
 
 
 def groups(jobs: Sequence[TensorJob]) -> list[list[TensorJob]]:
     """Consecutive jobs that go to one destination contiguously (mapped tensors: in one
     mapping, separated by less than 4096 bytes of padding; the rest: the same gaps in the
-    file as in the destination buffer). Every other job is a group of its own."""
+    file as in the destination buffer, less than 4096 bytes unless read in place with
+    direct I/O). Every other job is a group of its own."""
     out: list[list[TensorJob]] = []
     for job in jobs:
         if out and _joins(out[-1][-1], job):

@@ -14,7 +14,8 @@ Branches (llama.cpp ``load_all_data``):
   host buffer type) is read into a temporary buffer the size of the tensor and written.
 
 Without mmap, device contexts are loaded before host ones, and within a context the
-staged tensors come first, biggest first.
+device tensors come first: staged ones in buffer (file) order, synchronous ones biggest
+first.
 """
 
 from __future__ import annotations
@@ -314,8 +315,10 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
 
 def order_jobs(jobs: list[TensorJob], p: Plan) -> list[TensorJob]:
     """Load order: contexts in order (without mmap, device contexts before host ones);
-    within a context, with mmap, file order; without, staged tensors first and biggest
-    first."""
+    within a context, with mmap, file order; without, device tensors first: those
+    uploaded through the staging buffers in buffer (file) order, so that neighbours in
+    the file share staging buffers (biggest first only matters to a temporary buffer
+    the size of the tensor), then those written synchronously, biggest first."""
 
     def on_device(job: TensorJob) -> bool:
         return job.dest is not None and not job.dest.buffer_type.is_host
@@ -331,6 +334,16 @@ def order_jobs(jobs: list[TensorJob], p: Plan) -> list[TensorJob]:
     contexts.sort(key=lambda ctx: not any(on_device(j) for j in ctx))
     out: list[TensorJob] = []
     for ctx in contexts:
-        # staged first, biggest first; host tensors in buffer (file) order, so runs coalesce
-        out.extend(sorted(ctx, key=lambda j: (not on_device(j), -j.nbytes if on_device(j) else j.dest_offset)))
+        # device tensors first; staged and host tensors in buffer (file) order, so runs
+        # coalesce; synchronous uploads biggest first (their temporary buffers)
+        out.extend(
+            sorted(
+                ctx,
+                key=lambda j: (
+                    not on_device(j),
+                    j.branch == "sync",
+                    -j.nbytes if j.branch == "sync" else j.dest_offset,
+                ),
+            )
+        )
     return out

@@ -1,6 +1,7 @@
-"""Uploaders: per device, its stream, its staging buffers (of its host buffer type) in a
-:class:`~service.io.staging.StagingPool`, and a thread that follows the stream's
-completions to time the upload stage.
+"""Uploaders: per device, its stream and its staging buffers (of its host buffer type) in
+a :class:`~service.io.staging.StagingPool`, and the upload stage's timing: from the
+completion times the stream stamps on its events, or else by a thread that follows the
+stream's completions.
 
 A staging buffer is acquired (waiting, with a timeout, for the work recorded on it: the
 backpressure that bounds the buffers in flight), filled by a reader, then handed to the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from service.io.staging import PoolStats, StagingPool, Waitable
@@ -47,6 +49,8 @@ class Uploader:
         self.stream: Stream | None = None
         self._done: queue.SimpleQueue[tuple[Event, float, int] | None] = queue.SimpleQueue()
         self._timer: threading.Thread | None = None
+        self._stamped: deque[tuple[Event, float, int]] = deque()
+        self._last = 0.0
         try:
             for _ in range(count):
                 buf = device.alloc(device.host_buffer_type, nbytes + alignment)
@@ -60,13 +64,12 @@ class Uploader:
             self.close(abort=True)
             raise
         self.pool: StagingPool[DeviceBuffer] = StagingPool(self.buffers)
-        self._timer = threading.Thread(target=self._time_uploads, name=f"hoist-{device.name}-uploads", daemon=True)
-        self._timer.start()
+        if not self.stream.stamps_events:
+            self._timer = threading.Thread(target=self._time_uploads, name=f"hoist-{device.name}-uploads", daemon=True)
+            self._timer.start()
 
     def _time_uploads(self) -> None:
-        """Follow the stream's events in order: each upload was busy from when it was
-        queued (or the one before it finished) until its event completed."""
-        last = 0.0
+        """Follow the stream's events in order (streams that do not stamp them)."""
         while True:
             item = self._done.get()
             if item is None:
@@ -76,9 +79,20 @@ class Uploader:
                 event.synchronize()
             except BaseException:  # raised to the loader through the pool
                 pass
-            now = time.perf_counter()
-            self.clock.add(now - max(queued, last), nbytes)
-            last = now
+            self._count(queued, time.perf_counter(), nbytes)
+
+    def _count(self, queued: float, done: float, nbytes: int) -> None:
+        """An upload queued at ``queued`` completed at ``done``: it was busy from then, or
+        from when the one before it completed (the stream runs them in order)."""
+        self.clock.add(done - max(queued, self._last), nbytes)
+        self._last = done
+
+    def _count_stamped(self) -> None:
+        """Time the uploads completed so far, in order, from their events' stamps."""
+        while self._stamped and self._stamped[0][0].done_at is not None:
+            event, queued, nbytes = self._stamped.popleft()
+            assert event.done_at is not None
+            self._count(queued, event.done_at, nbytes)
 
     def acquire(self, cancelled: Callable[[], bool]) -> tuple[int, DeviceBuffer, int] | None:
         """The next staging buffer once its recorded work is done: ``(slot, buffer,
@@ -100,7 +114,11 @@ class Uploader:
         it) are done."""
         assert self.stream is not None
         event = self.stream.upload(dest, dest_offset, self.buffers[slot], src_offset, nbytes)
-        self._done.put((event, time.perf_counter(), nbytes))
+        if self._timer is None:
+            self._count_stamped()
+            self._stamped.append((event, time.perf_counter(), nbytes))
+        else:
+            self._done.put((event, time.perf_counter(), nbytes))
         self.pool.record(slot, event, *also)
 
     def drain(self) -> None:
@@ -123,6 +141,8 @@ class Uploader:
             self._done.put(None)
             self._timer.join()
             self._timer = None
+        self._count_stamped()
+        self._stamped.clear()  # dropped copies (a failed stream) have no stamp
         for buf in self.buffers:
             buf.free()
         self.buffers = []
