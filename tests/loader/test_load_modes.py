@@ -190,6 +190,32 @@ def test_load_order_without_mmap(tmp_path: Path, spec: str) -> None:
         assert sizes != sorted(sizes, reverse=True)  # the fixture tells the two orders apart
 
 
+def test_staged_tensors_go_in_file_order_across_the_chunks_of_a_buffer(tmp_path: Path) -> None:
+    path = write_model(tmp_path / "m.gguf", valid_tensors(3, big=True))
+    devs = discover_devices("EMU0=64MiB:max_alloc=20KiB", cuda=False)
+    params = make_params(["CPU", "EMU0"], load_mode="none", n_gpu_layers="all")
+    index = open_model(path)
+    p = plan(index, devs, params, memory=MemorySnapshot.take(devs))
+    (on_device,) = [b for b in p.buffers if b.buffer_type == "EMU0"]
+    assert len(on_device.chunks) > 2  # the device's buffer is allocated in several pieces
+    from service.loader.pipeline.layout import Resources, build
+
+    res = Resources()
+    try:
+        build(index, p, devs, res)
+        staged = [j for j in order_jobs(res.jobs, p) if j.branch == "staged"]
+        # the pieces are filled in file order, and loaded in that order: each piece's
+        # neighbours in the file follow each other through the staging buffers
+        offsets = [index.weights[j.name].offset for j in staged]
+        assert offsets == sorted(offsets) and len({id(j.dest) for j in staged}) > 2
+    finally:
+        res.release()
+    model = asyncio.run(load_model(index, devices=devs, params=params))
+    with model:
+        assert_bytes_equal_file(model, path)
+    assert leftovers(path, devs) == (0, 0, 0, 0)
+
+
 # -- lazy tensors -------------------------------------------------------------------------------
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +255,85 @@ def test_a_file_rewritten_after_its_header_was_read_fails_a_mapped_load(big_mode
     with pytest.raises(StorageError, match="changed since its header was read"):
         asyncio.run(load_model(index, load_mode="mmap"))
     assert leftovers(big_model, []) == (0, 0, 0, 0)
+
+
+def _slow_populate_ahead(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[str]:
+    """Make each step of a populate-ahead thread take ``seconds`` more (as a step of
+    gigabytes does); returns the names of the threads that took a step."""
+    from service.io import mapping as mapping_module
+
+    populate = mapping_module.Mapping.populate
+    steps: list[str] = []
+
+    def slow(self: Any, offset: int, nbytes: int, *, ahead: bool = True) -> None:
+        name = threading.current_thread().name
+        if name == "hoist-populate":
+            steps.append(name)
+            time.sleep(seconds)
+        populate(self, offset, nbytes, ahead=ahead)
+
+    monkeypatch.setattr(mapping_module.Mapping, "populate", slow)
+    return steps
+
+
+async def _longest_stall(work: Any) -> tuple[float, BaseException | None]:
+    """Await ``work`` while a ticker runs on the loop; the longest the loop went without
+    running it, and what ``work`` raised."""
+    longest, done = 0.0, False
+
+    async def tick() -> None:
+        nonlocal longest
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.02)  # the ticker runs
+    raised: BaseException | None = None
+    try:
+        await work
+    except BaseException as exc:
+        raised = exc
+    done = True
+    await ticker
+    return longest, raised
+
+
+@pytest.mark.parametrize("how", ["plan fails", "cancelled while planning"])
+def test_a_load_that_ends_before_loading_stops_its_populate_ahead_off_the_event_loop(
+    big_model: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    from service.errors import PlacementError
+    from service.loader.pipeline import load as load_module
+
+    steps = _slow_populate_ahead(monkeypatch, 0.8)
+    devs = discover_devices("EMU0=256MiB,EMU1=256MiB", cuda=False)
+    split = [1, 1, 1] if how == "plan fails" else [1, 1]
+    params = make_params(
+        [d.default_buffer_type.name for d in devs], load_mode="mmap", n_gpu_layers="all", tensor_split=split
+    )
+    plan_now = load_module._plan_now
+
+    def slow_plan(*args: Any) -> Any:
+        time.sleep(0.1)  # the populate-ahead thread is in its step
+        return plan_now(*args)
+
+    monkeypatch.setattr(load_module, "_plan_now", slow_plan)
+    index = open_model(big_model)
+    _warm(big_model)
+
+    async def run() -> tuple[float, BaseException | None]:
+        task = asyncio.ensure_future(load_model(index, devices=devs, params=params))
+        if how == "cancelled while planning":
+            asyncio.get_running_loop().call_later(0.05, task.cancel)
+        return await _longest_stall(task)
+
+    longest, raised = asyncio.run(run())
+    if not steps:
+        pytest.skip("the file was not seen wholly in the page cache: nothing was mapped ahead")
+    assert isinstance(raised, PlacementError if how == "plan fails" else asyncio.CancelledError)
+    # the populate step (0.8 s) is waited for on the loader thread, not on the loop
+    assert longest < 0.4, f"the event loop stalled for {longest:.2f} s"
+    assert leftovers(big_model, devs) == (0, 0, 0, 0)

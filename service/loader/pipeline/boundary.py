@@ -63,7 +63,8 @@ async def run_loader(
     taken), the page-cache probe of its data ranges, its ``prepare`` (blocking work that
     stays off the event loop), the jobs that put in ``res``, then its ``conclude``.
     Returns the loader's stats, the invalid tensors, the tensor hashes (hash-tensors)
-    and what ``conclude`` returned.
+    and what ``conclude`` returned. A load that fails or stops before its ``conclude``
+    releases ``res`` on the loader thread before this returns.
 
     ``on_progress`` is called on the event loop: first with nothing done (once the
     total is known), then after each chunk.
@@ -169,6 +170,14 @@ async def run_loader(
             # collection happens to break the traceback's reference cycles
             _clear_frames(exc)
             error = exc
+        if error is not None or not concluded:
+            # a load that ends here lets go of what it took on this thread, not on the
+            # event loop: stopping a populate-ahead thread waits for the step it is in
+            try:
+                res.release()
+            except BaseException as exc:
+                _clear_frames(exc)
+                error = error or exc
         if worker:
             worker[0].stats.seconds = time.perf_counter() - started
         loop.call_soon_threadsafe(deliver)  # what is still pending, before the result

@@ -335,14 +335,16 @@ def order_jobs(jobs: list[TensorJob], p: Plan) -> list[TensorJob]:
     out: list[TensorJob] = []
     for ctx in contexts:
         # device tensors first; staged and host tensors in buffer (file) order, so runs
-        # coalesce; synchronous uploads biggest first (their temporary buffers)
+        # coalesce (a buffer allocated in pieces is filled in file order: offsets in
+        # the pieces alone would interleave them); synchronous uploads biggest first
+        # (their temporary buffers)
         out.extend(
             sorted(
                 ctx,
                 key=lambda j: (
                     not on_device(j),
                     j.branch == "sync",
-                    -j.nbytes if j.branch == "sync" else j.dest_offset,
+                    (-j.nbytes, 0) if j.branch == "sync" else (j.file_index, j.offset),
                 ),
             )
         )
