@@ -49,9 +49,11 @@ def _probe_populate_read() -> bool:
 POPULATE_READ_SUPPORTED = _probe_populate_read()
 
 AHEAD_STEP = 4 << 30
-"""Bytes faulted in ahead per call: a stop asked for is seen within one such call (a few
-ms of resident pages). Fewer calls matter more: between two of them the thread needs
-the interpreter, which the load holds, and may wait up to a switch interval (5 ms)."""
+"""Bytes faulted in ahead per call: a stop asked for is seen within one such call (4 GiB
+of resident pages: a few ms where the page cache holds the file in large folios, as
+buffered reads leave it, up to about 300 ms in 4 KiB pages). Fewer calls matter more:
+between two of them the thread needs the interpreter, which the load holds, and may
+wait up to a switch interval (5 ms)."""
 
 
 class _Ahead:
