@@ -20,7 +20,7 @@ def test_progress_bar_is_one_line_with_its_figures_whole(width: int) -> None:
     screen = io.StringIO()
     Console(file=screen, width=width, color_system=None).print(bar.make_tasks_table(bar.tasks))
     lines = screen.getvalue().splitlines()
-    assert len(lines) == 1, lines  # a wrapped column would redraw as a second line
+    assert len(lines) == 1, lines  # no column wrapped onto a second line
     assert len(lines[0]) <= width
     assert label in lines[0] and "405.2/405.2 MiB" in lines[0]  # 424,845,824 B = 405.17 MiB
     assert "848.4 MB/s" in lines[0]

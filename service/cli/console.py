@@ -24,7 +24,9 @@ def run(coro: Coroutine[Any, Any, int]) -> int:
 def progress_bar(*, label: str = "loading", transient: bool = True) -> Progress:
     """A byte-count progress bar on :data:`err` (not started), each task labelled
     ``label`` (a rich format string: ``{task.description}`` gives the task's own), gone
-    from the screen when it stops if ``transient``."""
+    from the screen when it stops if ``transient``. No column wraps, so each task keeps one
+    line (a long label put the byte count's unit alone on a second one); where the
+    terminal is too narrow, columns are cut with an ellipsis."""
     return Progress(
         TextColumn(f"[bold]{label}", table_column=Column(no_wrap=True, overflow="ellipsis")),
         BarColumn(),
