@@ -51,3 +51,4 @@ def test_watch_follows_a_load_to_its_report(token_server: str) -> None:
     assert refused.returncode == 1 and "refused (401)" in refused.stderr
     unknown = _watch(token_server, "lj_nope", TOKEN)
     assert unknown.returncode == 1 and "refused (404)" in unknown.stderr and "lj_nope" in unknown.stderr
+    assert len(refused.stderr.splitlines()) == len(unknown.stderr.splitlines()) == 1  # no bar before the refusal

@@ -37,10 +37,11 @@ async def follow(base: str, job_id: str, token: str | None) -> dict[str, Any]:
 
     url = base.replace("http://", "ws://", 1).replace("https://", "wss://", 1).rstrip("/")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with _bar() as bar:
-        task = bar.add_task(f"loading {escape(job_id)}", total=None)
-        events_url = f"{url}/v1/loads/{urllib.parse.quote(job_id, safe='')}/events"
-        async with websockets.connect(events_url, additional_headers=headers) as ws:
+    events_url = f"{url}/v1/loads/{urllib.parse.quote(job_id, safe='')}/events"
+    # the bar appears once the service accepted the stream, so that a refusal is one line
+    async with websockets.connect(events_url, additional_headers=headers) as ws:
+        with _bar() as bar:
+            task = bar.add_task(f"loading {escape(job_id)}", total=None)
             async for message in ws:
                 event: dict[str, Any] = json.loads(message)
                 if event["event"] == "snapshot":
