@@ -1,4 +1,4 @@
-"""What a process holds: open file descriptors, mappings of a file, threads."""
+"""What a process holds: open file descriptors, mappings of a file and their pages, threads."""
 
 from __future__ import annotations
 
@@ -34,3 +34,18 @@ def mappings_of(path: Path | str) -> int:
 def load_threads() -> int:
     """Live hoist load worker threads."""
     return sum(1 for t in threading.enumerate() if t.name.startswith("hoist-"))
+
+
+def smaps_kib(lo: int, hi: int, field: str = "Rss") -> int:
+    """KiB of ``field`` (``Rss``, ``Locked``, ...) over this process's mappings that lie
+    inside ``[lo, hi)`` (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, _, end = head.partition("-")
+                inside = lo <= int(start, 16) and int(end, 16) <= hi
+            elif inside and head == f"{field}:":
+                total += int(line.split()[1])
+    return total

@@ -10,7 +10,7 @@ import pytest
 from service.errors import StorageError
 from service.io.align import PAGE_SIZE
 from service.io.mapping import Mapping, subtract_fragment
-from tests.resources import mappings_of
+from tests.resources import mappings_of, smaps_kib
 
 P = PAGE_SIZE
 
@@ -77,20 +77,6 @@ def test_out_of_range_views_are_refused(data_file: tuple[Path, bytes]) -> None:
         assert not view.flags.writeable
 
 
-def _rss_kib(lo: int, hi: int) -> int:
-    """Resident KiB of this process's mappings inside ``[lo, hi)`` (``/proc/self/smaps``)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, _, end = head.partition("-")
-                inside = lo <= int(start, 16) and int(end, 16) <= hi
-            elif inside and head == "Rss:":
-                total += int(line.split()[1])
-    return total
-
-
 def _ahead_threads() -> int:
     import threading
 
@@ -102,12 +88,12 @@ def test_populate_ahead_faults_the_ranges_in_on_its_own_thread(tmp_path: Path) -
     path = tmp_path / "big.bin"
     path.write_bytes(data)  # in the page cache: faulting in reads nothing
     with Mapping(str(path)) as m:
-        assert _rss_kib(m.addr, m.addr + m.size) == 0
+        assert smaps_kib(m.addr, m.addr + m.size) == 0
         m.populate_ahead([(10 * P, 200 * P), (300 * P, 100 * P)])
         m.populate(20 * P, 10 * P)  # inside the first range: waits for the thread
         assert _ahead_threads() == 0
         # both ranges are mapped in this process now (fault-around may map a few more)
-        assert 300 * P // 1024 <= _rss_kib(m.addr, m.addr + m.size) < 600 * P // 1024
+        assert 300 * P // 1024 <= smaps_kib(m.addr, m.addr + m.size) < 600 * P // 1024
         assert m.array(10 * P, 200 * P).tobytes() == data[10 * P : 210 * P]
 
 

@@ -26,7 +26,7 @@ from service.loader.pipeline.layout import order_jobs
 from service.loader.placement import MemorySnapshot, make_params, plan
 from service.loader.weights import open_model
 from tests.helpers import finite_quant, refuse_o_direct, set_scale, write_fixture
-from tests.resources import fds_on, load_threads, mappings_of
+from tests.resources import fds_on, load_threads, mappings_of, smaps_kib
 
 MODES = ["none", "mmap", "mlock", "mmap+mlock", "direct-io"]
 SETUPS = {
@@ -424,19 +424,6 @@ def test_cancel_does_not_wait_for_a_slow_bus(tmp_path: Path) -> None:
     assert leftovers(path, devs) == (0, 0, 0, 0)
 
 
-def _locked_kib(lo: int, hi: int) -> int:
-    """Locked KiB of this process's mappings inside ``[lo, hi)`` (``/proc/self/smaps``)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, _, end = head.partition("-")
-            inside = lo <= int(start, 16) and int(end, 16) <= hi
-        elif inside and head == "Locked:":
-            total += int(line.split()[1])
-    return total
-
-
 @pytest.mark.parametrize("n_gpu_layers", [None, 2])
 def test_mmap_mlock_locks_the_file_up_to_its_last_host_tensor(tmp_path: Path, n_gpu_layers: int | None) -> None:
     # as llama.cpp's lock grown from the file's start: header, host tensors and (with
@@ -454,5 +441,5 @@ def test_mmap_mlock_locks_the_file_up_to_its_last_host_tensor(tmp_path: Path, n_
         host = [t for t in model.plan.tensors if t.device == "CPU"]
         assert host and (n_gpu_layers is None or len(host) < len(model.plan.tensors))
         data_end = max(t.offset + t.nbytes for t in host)
-        assert _locked_kib(mapping.addr, mapping.addr + mapping.size + 4096) * 1024 >= data_end // 4096 * 4096
-    assert _locked_kib(0, 1 << 64) == 0  # released with the model
+        assert smaps_kib(mapping.addr, mapping.addr + mapping.size + 4096, "Locked") * 1024 >= data_end // 4096 * 4096
+    assert smaps_kib(0, 1 << 64, "Locked") == 0  # released with the model

@@ -27,7 +27,7 @@ from service.loader.placement import make_params
 from service.loader.weights import open_model
 from tests.loader.test_load_modes import leftovers, write_model, write_synthetic
 from tests.loader.test_pipeline import assert_matches_reader
-from tests.resources import load_threads
+from tests.resources import load_threads, smaps_kib
 
 IN_FLIGHT = [1, 2, 4, 8]
 SETUPS = {"cpu": ("", {}), "emu": ("EMU0=1GiB,EMU1=1GiB", {"n_gpu_layers": "all"})}
@@ -198,20 +198,6 @@ def test_direct_io_reads_the_resident_part_buffered(big_model: Path) -> None:
 # -- mapping ahead of the plan ---------------------------------------------------------------
 
 
-def _mapped_rss(addr: int, size: int) -> int:
-    """Resident bytes of this process's mappings inside ``[addr, addr + size)``."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, _, end = head.partition("-")
-                inside = addr <= int(start, 16) and int(end, 16) <= addr + size + PAGE_SIZE - 1
-            elif inside and head == "Rss:":
-                total += int(line.split()[1]) << 10
-    return total
-
-
 def test_map_ahead_faults_in_the_files_wholly_in_the_page_cache(big_model: Path) -> None:
     from service.loader.pipeline.layout import Resources, map_ahead
 
@@ -226,7 +212,7 @@ def test_map_ahead_faults_in_the_files_wholly_in_the_page_cache(big_model: Path)
         (mapping,) = res.mappings.values()
         first = index.files[0].data_offset
         mapping.populate(first, mapping.size - first)  # waits for the thread: nothing left to fault in
-        assert _mapped_rss(mapping.addr, mapping.size) >= mapping.size - first
+        assert smaps_kib(mapping.addr, mapping.addr + mapping.size + PAGE_SIZE - 1) * 1024 >= mapping.size - first
     finally:
         res.release()
     assert leftovers(big_model, []) == (0, 0, 0, 0)
