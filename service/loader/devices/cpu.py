@@ -90,14 +90,10 @@ def cpu_description() -> str:
     """The processor's name: the first ``model name`` of ``/proc/cpuinfo``, as ggml's CPU
     device describes itself; the machine type (``x86_64``) or ``CPU`` where there is
     none. Read once per process."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, sep, value = line.partition(":")
-                if sep and key.strip() == "model name" and value.strip():
-                    return value.strip()[:256]
-    except OSError:
-        pass
+    for line in (_read_small("/proc/cpuinfo") or "").splitlines():  # the first processor's block
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "model name" and value.strip():
+            return value.strip()[:256]
     return platform.machine() or "CPU"
 
 
