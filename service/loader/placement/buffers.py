@@ -254,7 +254,7 @@ def build_buffers(
     """
     members: dict[tuple[bool, str], list[int]] = {}
     by_file: dict[int, list[int]] = {}
-    contexts = [(t.lazy, t.buffer_type) for t in tensors]  # each tensor's context key
+    contexts = [t.context for t in tensors]
     file_order = [(t.file_index, t.offset) for t in tensors]  # each tensor's place in the files
     for i, t in enumerate(tensors):
         members.setdefault(contexts[i], []).append(i)
