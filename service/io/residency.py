@@ -59,6 +59,15 @@ def cached_pages(fd: int, offset: int, nbytes: int) -> int | None:
     return int(out.nr_cache)
 
 
+def cached_span(fd: int, lo: int, hi: int) -> tuple[int, int, int | None]:
+    """The pages covering ``[lo, hi)`` of the file open as ``fd``: the byte offset of the
+    first, how many there are, and how many of them are in the page cache
+    (:func:`cached_pages`; None where the kernel does not tell)."""
+    first = align_down(lo, PAGE_SIZE)
+    npages = (align_up(hi, PAGE_SIZE) - first) // PAGE_SIZE
+    return first, npages, cached_pages(fd, first, npages * PAGE_SIZE)
+
+
 def trusted(fd: int) -> bool:
     """Whether ``mincore`` on a mapping of the file open as ``fd`` reports the page cache
     (the caller is root, owns the file or may write it)."""

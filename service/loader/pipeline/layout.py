@@ -29,7 +29,7 @@ import numpy as np
 
 from service.errors import StorageError
 from service.io import residency
-from service.io.align import PAGE_SIZE, align_down, align_up
+from service.io.align import align_up
 from service.io.file import open_readonly
 from service.io.mapping import Mapping
 from service.io.meter import HOST_MEMORY
@@ -176,8 +176,7 @@ def map_ahead(index: WeightIndex, res: Resources) -> None:
         except StorageError:
             continue
         try:
-            npages = (align_up(hi, PAGE_SIZE) - align_down(lo, PAGE_SIZE)) // PAGE_SIZE
-            cached = residency.cached_pages(fd, align_down(lo, PAGE_SIZE), npages * PAGE_SIZE)
+            _, npages, cached = residency.cached_span(fd, lo, hi)
             if cached != npages or not residency.trusted(fd):
                 continue
         finally:

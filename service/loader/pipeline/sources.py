@@ -96,12 +96,10 @@ class SourceFiles:
         if hi <= lo:
             return
         fd = open_readonly(path)
-        first = align_down(lo, PAGE_SIZE)
-        npages = (align_up(hi, PAGE_SIZE) - first) // PAGE_SIZE
         try:
             if not residency.trusted(fd):
                 return
-            cached = residency.cached_pages(fd, first, npages * PAGE_SIZE)
+            first, npages, cached = residency.cached_span(fd, lo, hi)
             if cached is not None and cached in (0, npages):
                 # all of it resident, or none: no per-page answer needed
                 self._before[file_index] = residency.ResidencyMap.all_or_none(
