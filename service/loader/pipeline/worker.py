@@ -250,34 +250,31 @@ class Worker:
             if self.cancel.is_set():
                 break
             handler = self.handlers[extent.branch]
-            if handler.inline and not in_flight:
-                # nothing ahead of it: prepared, read and completed in place
-                ticket = handler.prepare(extent)
-                if ticket is CANCELLED:
-                    break
-                self.readers.start(handler.read, extent, ticket, inline=True)
-                handler.complete(extent, ticket)
-                if i + 1 < len(extents):
-                    self.handlers[extents[i + 1].branch].touch_ahead(extents[i + 1])
-                continue
-            slots = handler.slots(extent)
-            key = slots[0] if slots else None
-            while in_flight and (
-                len(in_flight) >= self.readers.n or (slots is not None and held.get(slots[0], 0) >= slots[1])
-            ):
-                complete_oldest()
+            # nothing ahead of an inline extent: prepared, read and completed in place
+            now = handler.inline and not in_flight
+            key = None
+            if not now:
+                slots = handler.slots(extent)
+                key = slots[0] if slots else None
+                while in_flight and (
+                    len(in_flight) >= self.readers.n or (slots is not None and held.get(slots[0], 0) >= slots[1])
+                ):
+                    complete_oldest()
             ticket = handler.prepare(extent)
             if ticket is CANCELLED:
                 break
-            if key is not None:
-                held[key] = held.get(key, 0) + 1
-            in_flight.append(
-                (extent, handler, ticket, self.readers.start(handler.read, extent, ticket, inline=handler.inline), key)
-            )
+            if now:
+                self.readers.start(handler.read, extent, ticket, inline=True)
+                handler.complete(extent, ticket)
+            else:
+                if key is not None:
+                    held[key] = held.get(key, 0) + 1
+                read = self.readers.start(handler.read, extent, ticket, inline=handler.inline)
+                in_flight.append((extent, handler, ticket, read, key))
             if i + 1 < len(extents):
                 # hook: the next extent's destination can be readied while this read runs
                 self.handlers[extents[i + 1].branch].touch_ahead(extents[i + 1])
-            if self.readers.n == 1:
+            if not now and self.readers.n == 1:
                 complete_oldest()
         while in_flight and not self.cancel.is_set():
             complete_oldest()
