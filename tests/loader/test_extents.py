@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from service.io.align import align_down, align_up
 from service.loader.ggml_types import GGML_TYPES_BY_NAME
-from service.loader.pipeline.extents import Extent, ExtentLimits, plan_extents
+from service.loader.pipeline.extents import Extent, ExtentLimits, groups, plan_extents
 from service.loader.pipeline.layout import TensorJob
 from service.loader.pipeline.routing import route
 
@@ -136,6 +136,29 @@ def test_each_extent_has_one_destination_and_fits_it(
             assert e.aligned and e.hi - align_down(e.lo, a) <= align_up(limits.direct_chunk_nbytes, a)
         elif e.branch != "lazy":
             assert not e.aligned and e.hi - e.lo <= limits.chunk_nbytes
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_mapped_runs_faulted_in_ahead_are_one_extent_each(
+    layout: tuple[list[TensorJob], ExtentLimits, dict[int, int]],
+) -> None:
+    jobs, limits, alignments = layout
+    stepped = plan_extents(jobs, limits, alignments)
+    whole = plan_extents(jobs, limits, alignments, faulted_ahead={0})
+
+    # the other branches are cut as before; each mapped run of adjacent tensors is one
+    # extent from its first byte to its last
+    def shape(e: Extent) -> tuple[Any, ...]:
+        return (e.branch, e.lo, e.hi, e.read_lo, e.read_hi, e.aligned, [(p.job.index, p.lo, p.hi) for p in e.pieces])
+
+    assert [shape(e) for e in whole if e.branch != "mapped"] == [shape(e) for e in stepped if e.branch != "mapped"]
+    runs = [g for g in groups(jobs) if g[0].branch == "mapped"]
+    mapped = [e for e in whole if e.branch == "mapped"]
+    assert [[p.job.index for p in e.pieces] for e in mapped] == [[j.index for j in run] for run in runs]
+    for e, run in zip(mapped, runs, strict=True):
+        assert (e.lo, e.hi) == (run[0].offset, run[-1].offset + run[-1].nbytes)
+        assert all(p.lo == p.job.offset and p.hi == p.job.offset + p.job.nbytes for p in e.pieces)
 
 
 @settings(max_examples=200, deadline=None)

@@ -314,6 +314,60 @@ print("\\n".join(model.warnings))
     assert "failed to mlock" in warning and "RLIMIT_MEMLOCK is 4096 bytes" in warning and "are needed" in warning
 
 
+def test_mmap_mlock_under_a_low_limit_locks_tensor_by_tensor(tmp_path: Path) -> None:
+    # llama.cpp's lock grows after each tensor: with a limit between the first tensor and
+    # the whole file, the tensors that fit stay locked and the load warns
+    rng = np.random.default_rng(3)
+    tensors = {f"blk.{i}.ffn_up.weight": (rng.standard_normal(64 * 1024).astype(np.float32), Q.F32) for i in range(3)}
+    path = write_model(tmp_path / "m.gguf", tensors)
+    code = """
+import asyncio, resource, sys
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (640 << 10, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
+from service.loader.weights import open_model
+from service.loader.pipeline import load_model
+from tests.resources import smaps_kib
+model = asyncio.run(load_model(open_model(sys.argv[1]), load_mode="mmap+mlock"))
+print(smaps_kib(0, 1 << 64, "Locked"))
+print("\\n".join(model.warnings))
+"""
+    command = [sys.executable, "-c", code, str(path)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root and setpriv is not available to drop CAP_IPC_LOCK")
+        command = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr
+    locked_kib, *warning = result.stdout.splitlines()
+    # the header page and two 256 KiB tensors fit under 640 KiB; the third does not
+    assert 512 < int(locked_kib) <= 640
+    assert any("failed to mlock" in w for w in warning)
+
+
+def test_a_mapped_load_of_a_cached_file_reports_one_chunk_per_run_of_tensors(tmp_path: Path) -> None:
+    # 48 MiB in one run of adjacent tensors: three 16 MiB chunks when the chunk size is
+    # given, one chunk when the pages are faulted in ahead and it is not
+    tensors = {f"blk.{i}.ffn_up.weight": (np.full(4 << 20, i, dtype=np.float32), Q.F32) for i in range(3)}
+    path = write_model(tmp_path / "m.gguf", tensors)
+    path.read_bytes()  # in the page cache: its pages are faulted in ahead of the load
+    seen: dict[str, list[int]] = {}
+    for name, options in (("default", LoadOptions()), ("explicit", LoadOptions(chunk_nbytes=16 << 20))):
+        done: list[int] = []
+        model = asyncio.run(
+            load_model(
+                open_model(path),
+                load_mode="mmap",
+                options=options,
+                on_progress=lambda p, d=done: d.append(p.bytes_done),
+            )
+        )
+        with model:
+            assert_bytes_equal_file(model, path)
+        seen[name] = done
+    total = 48 << 20
+    assert seen["default"] == [0, total]
+    assert seen["explicit"] == [0, 16 << 20, 32 << 20, total]
+
+
 # -- cancellation -----------------------------------------------------------------------------
 
 

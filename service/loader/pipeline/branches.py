@@ -114,10 +114,16 @@ class Mapped(Handler):
         _check_file(self.load, (p.job for p in extent.pieces if p.completes))
         self.load.report_pieces(extent)
         lock = extent.first.lock
-        if lock is not None and extent.hi > extent.lo:
-            warning = lock.grow_to(extent.hi)
-            if warning:
-                self.load.stats.notices.append(warning)
+        if lock is not None:
+            # grown tensor by tensor, as llama.cpp's mlock grows after each tensor: with a
+            # low RLIMIT_MEMLOCK it locks as far as the limit allows, not up to the
+            # extent before it
+            for piece in extent.pieces:
+                if piece.hi > piece.lo:
+                    warning = lock.grow_to(piece.hi)
+                    if warning:
+                        self.load.stats.notices.append(warning)
+                        break
 
 
 class Lazy(Handler):

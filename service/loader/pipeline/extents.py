@@ -14,7 +14,7 @@ with direct I/O its read range is aligned to the file's block size.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from service.io.align import align_down, align_up
@@ -169,13 +169,13 @@ def _cut(group: Sequence[TensorJob], pos: int, hi: int, start: int) -> int:
     return hi
 
 
-def _extents_of(group: Sequence[TensorJob], alignment: int, limits: ExtentLimits) -> list[Extent]:
+def _extents_of(group: Sequence[TensorJob], alignment: int, limits: ExtentLimits, whole: bool) -> list[Extent]:
     first, last = group[0], group[-1]
     branch = first.branch
     begin, end = first.offset, last.offset + last.nbytes
     in_place = _in_place(group, alignment)
     aligned_reads = alignment > 1 and (branch == "staged" or in_place)
-    if branch == "lazy":
+    if branch == "lazy" or (whole and branch == "mapped"):
         bounds = [(begin, end)]
     else:
         if branch == "staged":
@@ -250,7 +250,12 @@ def _cut_pieces(
     return out
 
 
-def plan_extents(jobs: Sequence[TensorJob], limits: ExtentLimits, alignment: Mapping[int, int]) -> list[Extent]:
+def plan_extents(
+    jobs: Sequence[TensorJob],
+    limits: ExtentLimits,
+    alignment: Mapping[int, int],
+    faulted_ahead: Collection[int] = (),
+) -> list[Extent]:
     """The extents that bring in every job's bytes, in load order.
 
     Args:
@@ -258,6 +263,10 @@ def plan_extents(jobs: Sequence[TensorJob], limits: ExtentLimits, alignment: Map
         limits: the extent sizes.
         alignment: file index -> block size its direct reads need (1 or absent:
             buffered reads).
+        faulted_ahead: files whose mapped bytes a thread of their own faults in
+            (:meth:`~service.io.mapping.Mapping.populate_ahead`): each of their mapped
+            groups is one extent, as the load only waits for that thread, once, and has
+            nothing to step through.
 
     Returns:
         Extents such that every byte of every tensor lies in exactly one piece (a
@@ -268,5 +277,6 @@ def plan_extents(jobs: Sequence[TensorJob], limits: ExtentLimits, alignment: Map
     """
     out: list[Extent] = []
     for group in groups(jobs):
-        out.extend(_extents_of(group, alignment.get(group[0].file_index, 1), limits))
+        file_index = group[0].file_index
+        out.extend(_extents_of(group, alignment.get(file_index, 1), limits, file_index in faulted_ahead))
     return out

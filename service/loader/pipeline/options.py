@@ -40,7 +40,10 @@ class LoadOptions:
 
     Attributes:
         chunk_nbytes: bytes moved between two progress reports and cancellation checks
-            (mapped and read branches), in bytes.
+            (mapped and read branches), in bytes. None (the default): 16 MiB, and a
+            mapped range that a thread of its own faults in ahead of the load (a file
+            wholly in the page cache) is one chunk per run of adjacent tensors: the
+            load has nothing to step through there but that thread, waited for once.
         staging_buffers: staging buffers per device for staged uploads (N).
         staging_nbytes: size of each staging buffer in bytes; None for llama.cpp's
             default (1 MiB, or 64 MiB + 2 x alignment with direct I/O).
@@ -57,7 +60,7 @@ class LoadOptions:
             buffers.
     """
 
-    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
+    chunk_nbytes: int | None = None
     staging_buffers: int = DEFAULT_STAGING_BUFFERS
     staging_nbytes: int | None = None
     check_tensors: bool = False
@@ -75,12 +78,17 @@ class LoadOptions:
             ("reads_in_flight", 1, MAX_READS_IN_FLIGHT),
         ):
             value = getattr(self, name)
-            if not low <= value <= high:
+            if value is not None and not low <= value <= high:
                 raise RequestError(f"{name} is {value}, it must be from {low} to {high}")
         if self.staging_nbytes is not None and not 1 <= self.staging_nbytes <= MAX_STAGING_NBYTES:
             raise RequestError(
                 f"staging size is {self.staging_nbytes} bytes, it must be from 1 to {MAX_STAGING_NBYTES}"
             )
+
+    @property
+    def step_nbytes(self) -> int:
+        """The chunk size in bytes (``chunk_nbytes``, or 16 MiB when that is None)."""
+        return DEFAULT_CHUNK_NBYTES if self.chunk_nbytes is None else self.chunk_nbytes
 
     def staging_size(self, alignment: int) -> int:
         """Size of one staging buffer for reads aligned to ``alignment`` bytes."""

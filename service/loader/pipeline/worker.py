@@ -46,7 +46,7 @@ def extent_limits(options: LoadOptions, alignment: int) -> ExtentLimits:
     """The extent sizes of a load whose files need ``alignment`` (the largest)."""
     size = staging_buffer_nbytes(options, alignment)
     return ExtentLimits(
-        chunk_nbytes=options.chunk_nbytes,
+        chunk_nbytes=options.step_nbytes,
         direct_chunk_nbytes=options.direct_chunk_nbytes,
         staging_payload=size - (2 * alignment if alignment > 1 else 0),
     )
@@ -143,11 +143,11 @@ class Worker:
         self.validators = Validators(
             enabled=options.check_tensors,
             workers=options.validation_workers,
-            chunk_nbytes=options.chunk_nbytes,
+            chunk_nbytes=options.step_nbytes,
             clock=self.stats.clocks["validate"],
         )
         self.hashers = Hashers(
-            enabled=options.hash_tensors, chunk_nbytes=options.chunk_nbytes, clock=self.stats.clocks["hash"]
+            enabled=options.hash_tensors, chunk_nbytes=options.step_nbytes, clock=self.stats.clocks["hash"]
         )
         self.hashes: dict[str, str] = {}
         self.uploaders: dict[str, Uploader] = {}
@@ -235,7 +235,15 @@ class Worker:
                 self.hashers.skip(job)  # a second copy (a tied output): its bytes are the first's
             names.add(job.name)
         alignments = self.files.alignments()
-        extents = plan_extents(self.jobs, extent_limits(self.options, max(alignments.values(), default=1)), alignments)
+        # mapped bytes a thread of their own faults in: one extent per run, unless the
+        # caller chose the chunk size
+        ahead = {
+            j.file_index
+            for j in self.jobs
+            if self.options.chunk_nbytes is None and j.branch == "mapped" and j.mapping and j.mapping.populating_ahead
+        }
+        limits = extent_limits(self.options, max(alignments.values(), default=1))
+        extents = plan_extents(self.jobs, limits, alignments, ahead)
         in_flight: deque[tuple[Extent, Handler, Any, Future[None] | _Done, str | None]] = deque()
         held: dict[str, int] = {}
 
