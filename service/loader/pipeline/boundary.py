@@ -150,6 +150,9 @@ async def run_loader(
             w = Worker(res.jobs, options, direct=how.direct, cancel=cancel, report=report, identities=how.identities)
             worker.append(w)
             for file_index, (path, lo, hi) in how.data_ranges.items():
+                if file_index in res.resident:  # probed whole before the plan
+                    w.files.note_resident(file_index, lo, hi)
+                    continue
                 w.files.take_residency(file_index, path, lo, hi)
                 if w.files.wholly_resident(file_index):
                     res.resident.add(file_index)

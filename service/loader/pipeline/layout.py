@@ -116,12 +116,17 @@ class Resources:
         self.views: dict[int, Any] = {}
         self.jobs: list[TensorJob] = []
         self.warnings: list[str] = []
+        self.loaded: Any = None
+        """What the load gives back (its tensors with their typed views), made before the
+        bytes come in."""
         self.resident: set[int] = set()
-        """Files whose tensor data was wholly in the page cache when the load began."""
+        """Files whose tensor data was wholly in the page cache when the load began (known
+        before the plan for the files :func:`map_ahead` maps)."""
 
     def release(self) -> None:
         """Unlock, free and unmap everything. Idempotent."""
         self.views.clear()
+        self.loaded = None
         self.jobs.clear()
         for lock in self.locks:
             lock.release()
@@ -188,6 +193,7 @@ def map_ahead(index: WeightIndex, res: Resources) -> None:
         res.mappings[file_index] = mapping
         if gguf_file.identity not in ((0, 0, 0, 0), mapping.identity):
             continue  # build meets the change and reports it
+        res.resident.add(file_index)
         mapping.populate_ahead([(lo, hi - lo)])
 
 

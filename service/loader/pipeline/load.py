@@ -229,8 +229,8 @@ async def _load(
             identities={i: f.identity for i, f in enumerate(index.files)},
             direct=placement.load_mode is LoadMode.DIRECT_IO,
             data_ranges=_data_ranges(index, placement),
-            prepare=lambda: build(index, placement, devices, res),
-            conclude=lambda: _finish_load(index, placement, res),
+            prepare=lambda: _prepare(index, placement, devices, res),
+            conclude=lambda: _finish_load(placement, res),
         )
 
     try:
@@ -267,21 +267,56 @@ async def _load(
 
 def _data_ranges(index: WeightIndex, placement: Plan) -> dict[int, tuple[str, int, int]]:
     """File index -> (path, first byte, end) of the tensor data the load brings in."""
-    out: dict[int, tuple[str, int, int]] = {}
+    bounds: dict[int, list[int]] = {}
     for t in placement.tensors:
         if t.lazy or not t.nbytes:
             continue
-        path, lo, hi = out.get(t.file_index, (index.files[t.file_index].path, t.offset, t.offset + t.nbytes))
-        out[t.file_index] = (path, min(lo, t.offset), max(hi, t.offset + t.nbytes))
-    return out
+        b = bounds.get(t.file_index)
+        if b is None:
+            bounds[t.file_index] = [t.offset, t.offset + t.nbytes]
+            continue
+        if t.offset < b[0]:
+            b[0] = t.offset
+        if t.offset + t.nbytes > b[1]:
+            b[1] = t.offset + t.nbytes
+    return {i: (index.files[i].path, lo, hi) for i, (lo, hi) in bounds.items()}
 
 
-def _finish_load(
-    index: WeightIndex, placement: Plan, res: Resources
-) -> tuple[dict[str, LoadedTensor], LoadedTensor | None]:
+def _prepare(index: WeightIndex, placement: Plan, devices: Sequence[Device], res: Resources) -> None:
+    """Build what the load needs (:func:`~service.loader.pipeline.layout.build`), then its
+    tensors (:func:`_typed_tensors`)."""
+    build(index, placement, devices, res)
+    _typed_tensors(index, placement, res)
+
+
+def _typed_tensors(index: WeightIndex, placement: Plan, res: Resources) -> None:
+    """On the loader thread, once the buffers and jobs are built and before the bytes
+    come in: every tensor with its typed view of its destination, put in
+    ``res.loaded`` (so that a wait for the bytes, such as a populate in progress, is not
+    followed by a pass over every tensor)."""
+    tensors: dict[str, LoadedTensor] = {}
+    tied: LoadedTensor | None = None
+    mapped = {j.index for j in res.jobs if j.branch in ("mapped", "lazy")}
+    known: dict[tuple[str, tuple[int, ...]], Any] = {}
+    weights = index.weights
+    views = res.views
+    for i, t in enumerate(placement.tensors):
+        ne = weights[t.name].info.ne
+        buffer_type = MAPPED_BUFFER_NAME if i in mapped else t.buffer_type
+        loaded = LoadedTensor(
+            t.name, t.ggml_type, ne, t.nbytes, buffer_type, t.device, _typed(views[i], t, ne, known), t.lazy
+        )
+        if t.role == "tied_output":
+            tied = loaded
+        else:
+            tensors[t.name] = loaded
+    res.loaded = (tensors, tied)
+
+
+def _finish_load(placement: Plan, res: Resources) -> Finished:
     """On the loader thread, after the last extent: fail if a mapped file changed during
-    the load, unmap what no tensor uses and give every tensor its typed view (off the
-    event loop: a model can have hundreds of thousands of tensors).
+    the load, unmap what no tensor uses, and give the tensors :func:`_typed_tensors`
+    prepared (off the event loop: a model can have hundreds of thousands of tensors).
 
     Raises:
         StorageError: a mapped file changed (shrank or was rewritten) during the load.
@@ -292,29 +327,8 @@ def _finish_load(
             raise StorageError(f"the file changed while it was mapped for the load: {how}", path=mapping.path)
     if placement.use_mmap:
         _unmap_unused(placement, res.mappings)
-    tensors: dict[str, LoadedTensor] = {}
-    tied: LoadedTensor | None = None
-    mapped = {j.index for j in res.jobs if j.branch in ("mapped", "lazy")}
-    known: dict[tuple[str, tuple[int, ...]], Any] = {}
-    weights = index.weights
-    views = res.views
-    for i, t in enumerate(placement.tensors):
-        ne = weights[t.name].info.ne
-        loaded = LoadedTensor(
-            name=t.name,
-            ggml_type=t.ggml_type,
-            ne=ne,
-            nbytes=t.nbytes,
-            buffer_type=MAPPED_BUFFER_NAME if i in mapped else t.buffer_type,
-            device=t.device,
-            data=_typed(views[i], t, ne, known),
-            lazy=t.lazy,
-        )
-        if t.role == "tied_output":
-            tied = loaded
-        else:
-            tensors[t.name] = loaded
-    return tensors, tied
+    loaded: Finished = res.loaded
+    return loaded
 
 
 def _unmap_unused(placement: Plan, mappings: dict[int, Mapping]) -> None:

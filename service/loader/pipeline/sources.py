@@ -116,6 +116,13 @@ class SourceFiles:
             os.close(fd)
         self._before[file_index] = residency.ResidencyMap(first // PAGE_SIZE, np.concatenate(parts))
 
+    def note_resident(self, file_index: int, lo: int, hi: int) -> None:
+        """Note ``[lo, hi)`` of the file as wholly in the page cache, as a probe made just
+        before found it (:meth:`take_residency` without probing again)."""
+        first = align_down(lo, PAGE_SIZE)
+        npages = (align_up(hi, PAGE_SIZE) - first) // PAGE_SIZE
+        self._before[file_index] = residency.ResidencyMap.all_or_none(first // PAGE_SIZE, npages, True)
+
     def wholly_resident(self, file_index: int) -> bool:
         """Every page :meth:`take_residency` probed for the file was in the page cache."""
         before = self._before.get(file_index)
@@ -127,6 +134,14 @@ class SourceFiles:
         in), else from disk."""
         before = self._before.get(file_index) if buffered else None
         cache = disk = unprobed = 0
+        if before is not None and before.uniform and parts:
+            # all resident: every byte inside the pages probed came from the cache
+            start, end = before.first * PAGE_SIZE, (before.first + before.npages) * PAGE_SIZE
+            if start <= min(lo for lo, _ in parts) and max(hi for _, hi in parts) <= end:
+                n = sum(hi - lo for lo, hi in parts if hi > lo)
+                if n:
+                    self.stats.count_source(n, 0, 0)
+                return
         for lo, hi in parts:
             if hi <= lo:
                 continue
