@@ -343,6 +343,37 @@ print("\\n".join(model.warnings))
     assert any("failed to mlock" in w for w in warning)
 
 
+def test_mmap_mlock_under_a_low_limit_never_locks_part_of_a_tensor(tmp_path: Path) -> None:
+    # chunks of 100000 bytes cut every 256 KiB tensor: the lock still grows only to the
+    # end of each whole tensor (llama.cpp grows it after each tensor), so under a 640 KiB
+    # limit it ends with the second tensor, not inside the third
+    rng = np.random.default_rng(5)
+    tensors = {f"blk.{i}.ffn_up.weight": (rng.standard_normal(64 * 1024).astype(np.float32), Q.F32) for i in range(3)}
+    path = write_model(tmp_path / "m.gguf", tensors)
+    code = """
+import asyncio, resource, sys
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (640 << 10, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
+from service.loader.weights import open_model
+from service.loader.pipeline import LoadOptions, load_model
+from tests.resources import smaps_kib
+options = LoadOptions(chunk_nbytes=100000)
+model = asyncio.run(load_model(open_model(sys.argv[1]), load_mode="mmap+mlock", options=options))
+print(smaps_kib(0, 1 << 64, "Locked"))
+print("\\n".join(model.warnings))
+"""
+    command = [sys.executable, "-c", code, str(path)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root and setpriv is not available to drop CAP_IPC_LOCK")
+        command = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr
+    locked_kib, *warning = result.stdout.splitlines()
+    ends = sorted(int(t.data_offset) + int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    assert int(locked_kib) * 1024 == -(-ends[1] // 4096) * 4096  # the mapping starts on a page
+    assert any("failed to mlock" in w for w in warning)
+
+
 def test_a_mapped_load_of_a_cached_file_reports_one_chunk_per_run_of_tensors(tmp_path: Path) -> None:
     # 48 MiB in one run of adjacent tensors: three 16 MiB chunks when the chunk size is
     # given, one chunk when the pages are faulted in ahead and it is not

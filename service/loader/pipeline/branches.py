@@ -116,10 +116,10 @@ class Mapped(Handler):
         lock = extent.first.lock
         if lock is not None:
             # grown tensor by tensor, as llama.cpp's mlock grows after each tensor: with a
-            # low RLIMIT_MEMLOCK it locks as far as the limit allows, not up to the
-            # extent before it
+            # low RLIMIT_MEMLOCK it locks the whole tensors the limit allows, not up to
+            # the extent before it nor into a tensor that an extent cuts
             for piece in extent.pieces:
-                if piece.hi > piece.lo:
+                if piece.completes and piece.hi > piece.lo:
                     warning = lock.grow_to(piece.hi)
                     if warning:
                         self.load.stats.notices.append(warning)
