@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -489,6 +490,76 @@ def load_shrinking_lazy_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s
 def test_validation_of_mapped_data_never_faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file that shrinks under a load with check-tensors gives an error, not SIGBUS."""
     load_shrinking_lazy_model(tmp_path, monkeypatch, 8, check_tensors=True)
+
+
+def _watch_views(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref[Any]]:
+    """Weak references to every typed tensor view the loads make from now on."""
+    from service.loader.pipeline import load as load_module
+
+    refs: list[weakref.ref[Any]] = []
+    real = load_module._typed
+
+    def typed(*args: Any) -> Any:
+        view = real(*args)
+        if isinstance(view, np.ndarray):
+            refs.append(weakref.ref(view))
+        return view
+
+    monkeypatch.setattr(load_module, "_typed", typed)
+    return refs
+
+
+@pytest.mark.parametrize("mode", ["none", "mmap"])
+def test_a_load_failing_check_tensors_keeps_no_view_of_its_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # the error is still held (as a caller logging or storing it does): the views of
+    # device memory, host buffers and unmapped files it made must be gone already
+    tensors = valid_tensors(12)
+    tensors["blk.2.attn_norm.weight"] = (np.full(1000, np.nan, dtype=np.float32), Q.F32)
+    path = write_model(tmp_path / "m.gguf", tensors)
+    refs = _watch_views(monkeypatch)
+    with pytest.raises(InvalidDataError) as caught:
+        load(path, "emu-partial", mode, check_tensors=True)
+    assert caught.value.tensors and refs
+    assert [r for r in refs if r() is not None] == []
+
+
+def test_a_load_cancelled_as_it_concludes_keeps_no_view_of_its_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.loader.pipeline import load as load_module
+
+    path = write_model(tmp_path / "m.gguf", valid_tensors(13))
+    refs = _watch_views(monkeypatch)
+    concluding, go_on = threading.Event(), threading.Event()
+    real_finish = load_module._finish_load
+
+    def finish(*args: Any) -> Any:
+        out = real_finish(*args)
+        concluding.set()
+        go_on.wait(10)
+        return out
+
+    monkeypatch.setattr(load_module, "_finish_load", finish)
+    devs = discover_devices(SETUPS["emu"][0], cuda=False)
+    params = make_params(["CPU", "EMU0", "EMU1"], load_mode="none", n_gpu_layers="all")
+
+    async def scenario() -> BaseException:
+        task = asyncio.create_task(load_model(open_model(path), devices=devs, params=params))
+        while not concluding.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError) as caught:
+            await task
+        return caught.value
+
+    error = asyncio.run(scenario())  # held while the views are looked at
+    assert error is not None and refs
+    assert [r for r in refs if r() is not None] == []
+    assert leftovers(path, devs) == (0, 0, 0, 0)
 
 
 def test_cancel_does_not_wait_for_a_slow_bus(tmp_path: Path) -> None:
