@@ -562,6 +562,53 @@ def test_a_load_cancelled_as_it_concludes_keeps_no_view_of_its_buffers(
     assert leftovers(path, devs) == (0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("mode", ["mmap", "mmap+mlock"])
+def test_cancel_does_not_wait_for_the_pages_faulted_in_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # a cached file's pages are faulted in ahead, 4 KiB a step here, each step 10 ms:
+    # about 2 s for the whole file; a cancel stops it at the next step, and what was not
+    # faulted in is neither checked nor locked
+    import time
+
+    from service.io import mapping
+    from service.loader.pipeline.validation import Validators
+
+    tensors = {f"blk.{i}.ffn_up.weight": (np.full(64 << 10, i, dtype=np.float32), Q.F32) for i in range(3)}
+    path = write_model(tmp_path / "m.gguf", tensors)
+    path.read_bytes()
+    monkeypatch.setattr(mapping, "AHEAD_STEP", 4096)
+    steps = {"n": 0}
+    real = mapping.Mapping.populate
+
+    def slow(self: mapping.Mapping, offset: int, nbytes: int, *, ahead: bool = True) -> None:
+        if not ahead:  # a step of the thread faulting in ahead
+            steps["n"] += 1
+            time.sleep(0.01)
+        real(self, offset, nbytes, ahead=ahead)
+
+    monkeypatch.setattr(mapping.Mapping, "populate", slow)
+    checked: list[str] = []
+    real_file = Validators.file
+    monkeypatch.setattr(Validators, "file", lambda self, job, fd: checked.append(job.name) or real_file(self, job, fd))
+    options = LoadOptions(check_tensors=True)
+
+    async def scenario() -> float:
+        task = asyncio.create_task(load_model(open_model(path), load_mode=mode, options=options))
+        while steps["n"] < 20:  # the loader is waiting for those pages by now
+            await asyncio.sleep(0.005)
+        task.cancel()
+        started = time.perf_counter()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.perf_counter() - started
+
+    assert asyncio.run(scenario()) < 1.0
+    assert steps["n"] < 150  # of 193
+    assert checked == []
+    assert leftovers(path, []) == (0, 0, 0, 0)
+
+
 def test_cancel_does_not_wait_for_a_slow_bus(tmp_path: Path) -> None:
     import time
 

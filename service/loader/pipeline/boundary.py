@@ -76,7 +76,7 @@ async def run_loader(
         What ``setup``, ``prepare`` and the jobs raise.
     """
     loop = asyncio.get_running_loop()
-    cancel = threading.Event()
+    cancel = res.cancel
     done_future: asyncio.Future[None] = loop.create_future()
     state = {"done": 0, "total": 0, "by_callback": False}
     by_device: dict[str, int] = {}

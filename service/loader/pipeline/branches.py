@@ -104,6 +104,9 @@ class Mapped(Handler):
         lo, hi = extent.lo, extent.hi
         if hi <= lo:
             return
+        mapping.wait_ahead()
+        if self.load.cancel.is_set():
+            return  # cancelled while the pages were faulted in ahead: not faulted in here
         self.load.files.count(job.file_index, _parts(extent), buffered=True)
         try:
             mapping.populate(lo, hi - lo)
@@ -111,6 +114,8 @@ class Mapped(Handler):
             raise StorageError(exc.message, path=exc.path, offset=exc.offset, tensor=job.name) from exc
 
     def complete(self, extent: Extent, ticket: Any) -> None:
+        if self.load.cancel.is_set():
+            return  # its pages may not have been faulted in (see read): nothing to hand on
         _check_file(self.load, (p.job for p in extent.pieces if p.completes))
         self.load.report_pieces(extent)
         lock = extent.first.lock
