@@ -609,6 +609,40 @@ def test_cancel_does_not_wait_for_the_pages_faulted_in_ahead(
     assert leftovers(path, []) == (0, 0, 0, 0)
 
 
+def test_mmap_mlock_of_a_cached_file_builds_while_its_pages_are_faulted_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # faulting in the header's pages (to lock from the file's start) does not wait for
+    # the thread faulting in the tensors' pages: the tensors are made meanwhile
+    import time
+
+    from service.io import mapping
+    from service.loader.pipeline import load as load_module
+
+    tensors = {f"blk.{i}.ffn_up.weight": (np.full(64 << 10, i, dtype=np.float32), Q.F32) for i in range(3)}
+    path = write_model(tmp_path / "m.gguf", tensors)
+    path.read_bytes()
+    monkeypatch.setattr(mapping, "AHEAD_STEP", 4096)
+    steps = {"n": 0, "at_build": -1}
+    real_populate, real_typed = mapping.Mapping.populate, load_module._typed_tensors
+
+    def slow(self: mapping.Mapping, offset: int, nbytes: int, *, ahead: bool = True) -> None:
+        if not ahead:
+            steps["n"] += 1
+            time.sleep(0.002)
+        real_populate(self, offset, nbytes, ahead=ahead)
+
+    def typed(*args: Any) -> None:
+        steps["at_build"] = steps["n"]
+        real_typed(*args)
+
+    monkeypatch.setattr(mapping.Mapping, "populate", slow)
+    monkeypatch.setattr(load_module, "_typed_tensors", typed)
+    with asyncio.run(load_model(open_model(path), load_mode="mmap+mlock")) as model:
+        assert_bytes_equal_file(model, path)
+    assert 0 <= steps["at_build"] < steps["n"] - 20  # of 193 steps
+
+
 def test_cancel_does_not_wait_for_a_slow_bus(tmp_path: Path) -> None:
     import time
 

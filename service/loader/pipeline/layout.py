@@ -282,7 +282,8 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
                 # the load faults in every page of its tensors (and the padding between
                 # them); with the header's pages faulted in too, locking pages as they
                 # fault in locks what llama.cpp's lock, grown from the file's start, does
-                mapping.populate(0, min(t.offset for t in tensors))
+                # (the header is in no range faulted in ahead: no wait for that thread)
+                mapping.populate(0, min(t.offset for t in tensors), ahead=False)
         if resident and not mapping.populating_ahead:
             # nothing to read from disk: the mapped tensors' pages are faulted in on a
             # thread of their own while the jobs are built and planned
