@@ -643,6 +643,35 @@ def test_mmap_mlock_of_a_cached_file_builds_while_its_pages_are_faulted_in(
     assert 0 <= steps["at_build"] < steps["n"] - 20  # of 193 steps
 
 
+def test_a_cached_file_that_shrinks_names_the_first_tensor_cut_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the file shrinks into its third tensor while its pages are faulted in ahead: the run
+    # of tensors is one chunk, yet the error names the third tensor and where its bytes
+    # stop being readable, not the run's first tensor and start
+    from service.errors import StorageError
+    from service.io import mapping
+
+    tensors = {f"blk.{i}.ffn_up.weight": (np.full(64 << 10, i, dtype=np.float32), Q.F32) for i in range(4)}
+    path = write_model(tmp_path / "m.gguf", tensors)
+    start = next(int(t.data_offset) for t in gguf.GGUFReader(path).tensors if t.name == "blk.2.ffn_up.weight")
+    cut = start + 10000
+    path.read_bytes()
+    real = mapping.Mapping.populate
+
+    def shrink_first(self: mapping.Mapping, offset: int, nbytes: int, *, ahead: bool = True) -> None:
+        if os.path.getsize(path) > cut:
+            os.truncate(path, cut)
+        real(self, offset, nbytes, ahead=ahead)
+
+    monkeypatch.setattr(mapping.Mapping, "populate", shrink_first)
+    with pytest.raises(StorageError, match="did the file shrink") as caught:
+        asyncio.run(load_model(open_model(path), load_mode="mmap"))
+    assert caught.value.tensor == "blk.2.ffn_up.weight"
+    assert caught.value.offset is not None and start <= caught.value.offset <= cut
+    assert leftovers(path, []) == (0, 0, 0, 0)
+
+
 def test_cancel_does_not_wait_for_a_slow_bus(tmp_path: Path) -> None:
     import time
 

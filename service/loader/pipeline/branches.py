@@ -111,6 +111,15 @@ class Mapped(Handler):
         try:
             mapping.populate(lo, hi - lo)
         except StorageError as exc:
+            # named after the first tensor that cannot be faulted in, not the extent's
+            # first (a run faulted in ahead is one extent, maybe the whole file)
+            for piece in extent.pieces:
+                try:
+                    mapping.populate(piece.lo, piece.hi - piece.lo, ahead=False)
+                except StorageError as found:
+                    raise StorageError(
+                        found.message, path=found.path, offset=found.offset, tensor=piece.job.name
+                    ) from exc
             raise StorageError(exc.message, path=exc.path, offset=exc.offset, tensor=job.name) from exc
 
     def complete(self, extent: Extent, ticket: Any) -> None:
