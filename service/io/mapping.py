@@ -60,12 +60,15 @@ class _Ahead:
     """Ranges of a mapping being faulted in on a thread of its own (see
     :meth:`Mapping.populate_ahead`)."""
 
-    def __init__(self, mapping: Mapping, ranges: Sequence[tuple[int, int]]) -> None:
+    def __init__(
+        self, mapping: Mapping, ranges: Sequence[tuple[int, int]], cancel: threading.Event | None = None
+    ) -> None:
         self.starts = [lo for lo, _ in ranges]
         self.ends = [lo + n for lo, n in ranges]
         self.ok = False
         self.done = False
         self.stop = threading.Event()
+        self._cancel = cancel
         self._mapping = mapping
         self._ranges = ranges
         self._thread = threading.Thread(target=self._run, name="hoist-populate", daemon=True)
@@ -74,7 +77,7 @@ class _Ahead:
     def _run(self) -> None:
         for offset, nbytes in self._ranges:
             for lo in range(offset, offset + nbytes, AHEAD_STEP):
-                if self.stop.is_set():
+                if self.stop.is_set() or (self._cancel is not None and self._cancel.is_set()):
                     return
                 try:
                     self._mapping.populate(lo, min(AHEAD_STEP, offset + nbytes - lo), ahead=False)
@@ -82,12 +85,16 @@ class _Ahead:
                     return  # the load's own populate of the range meets the error and reports it
         self.ok = True
 
-    def covers(self, offset: int, nbytes: int) -> bool:
-        """Wait until the ranges are in; whether they all came in and one of them holds
-        ``[offset, offset + nbytes)``."""
+    def wait(self) -> None:
+        """Wait until the thread ends (every range came in, or it stopped)."""
         if not self.done:
             self._thread.join()
             self.done = True
+
+    def covers(self, offset: int, nbytes: int) -> bool:
+        """Wait until the ranges are in; whether they all came in and one of them holds
+        ``[offset, offset + nbytes)``."""
+        self.wait()
         i = bisect.bisect_right(self.starts, offset) - 1
         return self.ok and i >= 0 and offset + nbytes <= self.ends[i]
 
@@ -224,17 +231,24 @@ class Mapping:
         last = min(align_up(offset + nbytes, PAGE_SIZE), align_up(self.size, PAGE_SIZE))
         libc.madvise(self.addr + first, last - first, advice)
 
-    def populate_ahead(self, ranges: Sequence[tuple[int, int]]) -> None:
+    def populate_ahead(self, ranges: Sequence[tuple[int, int]], cancel: threading.Event | None = None) -> None:
         """Start faulting in ``ranges`` (``(offset, nbytes)``, disjoint, in file order) on
         a thread of its own, while the caller goes on (llama.cpp maps with
         ``MAP_POPULATE``; here the faulting overlaps the work that follows the mapping).
         A later :meth:`populate` of bytes inside one of the ranges waits for the thread
         and returns at once when every range came in; otherwise (an error, a stop) it
-        faults its range in itself and raises what it meets. :meth:`close` stops the
-        thread and waits for it before unmapping. One run per mapping: a second call
-        does nothing."""
+        faults its range in itself and raises what it meets. :meth:`close`, or
+        ``cancel`` once set, stops the thread after the call in progress; :meth:`close`
+        waits for it before unmapping. One run per mapping: a second call does
+        nothing."""
         if self._ahead is None and ranges:
-            self._ahead = _Ahead(self, list(ranges))
+            self._ahead = _Ahead(self, list(ranges), cancel)
+
+    def wait_ahead(self) -> None:
+        """Wait until the thread :meth:`populate_ahead` started ends (nothing when there
+        is none)."""
+        if self._ahead is not None:
+            self._ahead.wait()
 
     @property
     def populating_ahead(self) -> bool:

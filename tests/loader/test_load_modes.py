@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -343,6 +344,37 @@ print("\\n".join(model.warnings))
     assert any("failed to mlock" in w for w in warning)
 
 
+def test_mmap_mlock_under_a_low_limit_never_locks_part_of_a_tensor(tmp_path: Path) -> None:
+    # chunks of 100000 bytes cut every 256 KiB tensor: the lock still grows only to the
+    # end of each whole tensor (llama.cpp grows it after each tensor), so under a 640 KiB
+    # limit it ends with the second tensor, not inside the third
+    rng = np.random.default_rng(5)
+    tensors = {f"blk.{i}.ffn_up.weight": (rng.standard_normal(64 * 1024).astype(np.float32), Q.F32) for i in range(3)}
+    path = write_model(tmp_path / "m.gguf", tensors)
+    code = """
+import asyncio, resource, sys
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (640 << 10, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
+from service.loader.weights import open_model
+from service.loader.pipeline import LoadOptions, load_model
+from tests.resources import smaps_kib
+options = LoadOptions(chunk_nbytes=100000)
+model = asyncio.run(load_model(open_model(sys.argv[1]), load_mode="mmap+mlock", options=options))
+print(smaps_kib(0, 1 << 64, "Locked"))
+print("\\n".join(model.warnings))
+"""
+    command = [sys.executable, "-c", code, str(path)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root and setpriv is not available to drop CAP_IPC_LOCK")
+        command = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr
+    locked_kib, *warning = result.stdout.splitlines()
+    ends = sorted(int(t.data_offset) + int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    assert int(locked_kib) * 1024 == -(-ends[1] // 4096) * 4096  # the mapping starts on a page
+    assert any("failed to mlock" in w for w in warning)
+
+
 def test_a_mapped_load_of_a_cached_file_reports_one_chunk_per_run_of_tensors(tmp_path: Path) -> None:
     # 48 MiB in one run of adjacent tensors: three 16 MiB chunks when the chunk size is
     # given, one chunk when the pages are faulted in ahead and it is not
@@ -458,6 +490,186 @@ def load_shrinking_lazy_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s
 def test_validation_of_mapped_data_never_faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file that shrinks under a load with check-tensors gives an error, not SIGBUS."""
     load_shrinking_lazy_model(tmp_path, monkeypatch, 8, check_tensors=True)
+
+
+def _watch_views(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref[Any]]:
+    """Weak references to every typed tensor view the loads make from now on."""
+    from service.loader.pipeline import load as load_module
+
+    refs: list[weakref.ref[Any]] = []
+    real = load_module._typed
+
+    def typed(*args: Any) -> Any:
+        view = real(*args)
+        if isinstance(view, np.ndarray):
+            refs.append(weakref.ref(view))
+        return view
+
+    monkeypatch.setattr(load_module, "_typed", typed)
+    return refs
+
+
+@pytest.mark.parametrize("mode", ["none", "mmap"])
+def test_a_load_failing_check_tensors_keeps_no_view_of_its_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # the error is still held (as a caller logging or storing it does): the views of
+    # device memory, host buffers and unmapped files it made must be gone already
+    tensors = valid_tensors(12)
+    tensors["blk.2.attn_norm.weight"] = (np.full(1000, np.nan, dtype=np.float32), Q.F32)
+    path = write_model(tmp_path / "m.gguf", tensors)
+    refs = _watch_views(monkeypatch)
+    with pytest.raises(InvalidDataError) as caught:
+        load(path, "emu-partial", mode, check_tensors=True)
+    assert caught.value.tensors and refs
+    assert [r for r in refs if r() is not None] == []
+
+
+def test_a_load_cancelled_as_it_concludes_keeps_no_view_of_its_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.loader.pipeline import load as load_module
+
+    path = write_model(tmp_path / "m.gguf", valid_tensors(13))
+    refs = _watch_views(monkeypatch)
+    concluding, go_on = threading.Event(), threading.Event()
+    real_finish = load_module._finish_load
+
+    def finish(*args: Any) -> Any:
+        out = real_finish(*args)
+        concluding.set()
+        go_on.wait(10)
+        return out
+
+    monkeypatch.setattr(load_module, "_finish_load", finish)
+    devs = discover_devices(SETUPS["emu"][0], cuda=False)
+    params = make_params(["CPU", "EMU0", "EMU1"], load_mode="none", n_gpu_layers="all")
+
+    async def scenario() -> BaseException:
+        task = asyncio.create_task(load_model(open_model(path), devices=devs, params=params))
+        while not concluding.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError) as caught:
+            await task
+        return caught.value
+
+    error = asyncio.run(scenario())  # held while the views are looked at
+    assert error is not None and refs
+    assert [r for r in refs if r() is not None] == []
+    assert leftovers(path, devs) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("mode", ["mmap", "mmap+mlock"])
+def test_cancel_does_not_wait_for_the_pages_faulted_in_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # a cached file's pages are faulted in ahead, 4 KiB a step here, each step 10 ms:
+    # about 2 s for the whole file; a cancel stops it at the next step, and what was not
+    # faulted in is neither checked nor locked
+    import time
+
+    from service.io import mapping
+    from service.loader.pipeline.validation import Validators
+
+    tensors = {f"blk.{i}.ffn_up.weight": (np.full(64 << 10, i, dtype=np.float32), Q.F32) for i in range(3)}
+    path = write_model(tmp_path / "m.gguf", tensors)
+    path.read_bytes()
+    monkeypatch.setattr(mapping, "AHEAD_STEP", 4096)
+    steps = {"n": 0}
+    real = mapping.Mapping.populate
+
+    def slow(self: mapping.Mapping, offset: int, nbytes: int, *, ahead: bool = True) -> None:
+        if not ahead:  # a step of the thread faulting in ahead
+            steps["n"] += 1
+            time.sleep(0.01)
+        real(self, offset, nbytes, ahead=ahead)
+
+    monkeypatch.setattr(mapping.Mapping, "populate", slow)
+    checked: list[str] = []
+    real_file = Validators.file
+    monkeypatch.setattr(Validators, "file", lambda self, job, fd: checked.append(job.name) or real_file(self, job, fd))
+    options = LoadOptions(check_tensors=True)
+
+    async def scenario() -> float:
+        task = asyncio.create_task(load_model(open_model(path), load_mode=mode, options=options))
+        while steps["n"] < 20:  # the loader is waiting for those pages by now
+            await asyncio.sleep(0.005)
+        task.cancel()
+        started = time.perf_counter()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.perf_counter() - started
+
+    assert asyncio.run(scenario()) < 1.0
+    assert steps["n"] < 150  # of 193
+    assert checked == []
+    assert leftovers(path, []) == (0, 0, 0, 0)
+
+
+def test_mmap_mlock_of_a_cached_file_builds_while_its_pages_are_faulted_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # faulting in the header's pages (to lock from the file's start) does not wait for
+    # the thread faulting in the tensors' pages: the tensors are made meanwhile
+    import time
+
+    from service.io import mapping
+    from service.loader.pipeline import load as load_module
+
+    tensors = {f"blk.{i}.ffn_up.weight": (np.full(64 << 10, i, dtype=np.float32), Q.F32) for i in range(3)}
+    path = write_model(tmp_path / "m.gguf", tensors)
+    path.read_bytes()
+    monkeypatch.setattr(mapping, "AHEAD_STEP", 4096)
+    steps = {"n": 0, "at_build": -1}
+    real_populate, real_typed = mapping.Mapping.populate, load_module._typed_tensors
+
+    def slow(self: mapping.Mapping, offset: int, nbytes: int, *, ahead: bool = True) -> None:
+        if not ahead:
+            steps["n"] += 1
+            time.sleep(0.002)
+        real_populate(self, offset, nbytes, ahead=ahead)
+
+    def typed(*args: Any) -> None:
+        steps["at_build"] = steps["n"]
+        real_typed(*args)
+
+    monkeypatch.setattr(mapping.Mapping, "populate", slow)
+    monkeypatch.setattr(load_module, "_typed_tensors", typed)
+    with asyncio.run(load_model(open_model(path), load_mode="mmap+mlock")) as model:
+        assert_bytes_equal_file(model, path)
+    assert 0 <= steps["at_build"] < steps["n"] - 20  # of 193 steps
+
+
+def test_a_cached_file_that_shrinks_names_the_first_tensor_cut_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the file shrinks into its third tensor while its pages are faulted in ahead: the run
+    # of tensors is one chunk, yet the error names the third tensor and where its bytes
+    # stop being readable, not the run's first tensor and start
+    from service.errors import StorageError
+    from service.io import mapping
+
+    tensors = {f"blk.{i}.ffn_up.weight": (np.full(64 << 10, i, dtype=np.float32), Q.F32) for i in range(4)}
+    path = write_model(tmp_path / "m.gguf", tensors)
+    start = next(int(t.data_offset) for t in gguf.GGUFReader(path).tensors if t.name == "blk.2.ffn_up.weight")
+    cut = start + 10000
+    path.read_bytes()
+    real = mapping.Mapping.populate
+
+    def shrink_first(self: mapping.Mapping, offset: int, nbytes: int, *, ahead: bool = True) -> None:
+        if os.path.getsize(path) > cut:
+            os.truncate(path, cut)
+        real(self, offset, nbytes, ahead=ahead)
+
+    monkeypatch.setattr(mapping.Mapping, "populate", shrink_first)
+    with pytest.raises(StorageError, match="did the file shrink") as caught:
+        asyncio.run(load_model(open_model(path), load_mode="mmap"))
+    assert caught.value.tensor == "blk.2.ffn_up.weight"
+    assert caught.value.offset is not None and start <= caught.value.offset <= cut
+    assert leftovers(path, []) == (0, 0, 0, 0)
 
 
 def test_cancel_does_not_wait_for_a_slow_bus(tmp_path: Path) -> None:

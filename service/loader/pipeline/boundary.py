@@ -76,7 +76,7 @@ async def run_loader(
         What ``setup``, ``prepare`` and the jobs raise.
     """
     loop = asyncio.get_running_loop()
-    cancel = threading.Event()
+    cancel = res.cancel
     done_future: asyncio.Future[None] = loop.create_future()
     state = {"done": 0, "total": 0, "by_callback": False}
     by_device: dict[str, int] = {}
@@ -200,11 +200,13 @@ async def run_loader(
                 continue
             except BaseException:
                 break
+        concluded.clear()  # the caller releases what it holds views of
         raise
     finally:
         # the loader has posted its result; it is at most returning now
         thread.join()
     if state["by_callback"] or not concluded:
+        concluded.clear()
         raise LoadCancelledError("the load was cancelled by its progress callback")
     w = worker[0]
     return w.stats, dict(w.invalid), dict(w.hashes), concluded[0]

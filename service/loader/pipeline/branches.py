@@ -104,22 +104,36 @@ class Mapped(Handler):
         lo, hi = extent.lo, extent.hi
         if hi <= lo:
             return
+        mapping.wait_ahead()
+        if self.load.cancel.is_set():
+            return  # cancelled while the pages were faulted in ahead: not faulted in here
         self.load.files.count(job.file_index, _parts(extent), buffered=True)
         try:
             mapping.populate(lo, hi - lo)
         except StorageError as exc:
+            # named after the first tensor that cannot be faulted in, not the extent's
+            # first (a run faulted in ahead is one extent, maybe the whole file)
+            for piece in extent.pieces:
+                try:
+                    mapping.populate(piece.lo, piece.hi - piece.lo, ahead=False)
+                except StorageError as found:
+                    raise StorageError(
+                        found.message, path=found.path, offset=found.offset, tensor=piece.job.name
+                    ) from exc
             raise StorageError(exc.message, path=exc.path, offset=exc.offset, tensor=job.name) from exc
 
     def complete(self, extent: Extent, ticket: Any) -> None:
+        if self.load.cancel.is_set():
+            return  # its pages may not have been faulted in (see read): nothing to hand on
         _check_file(self.load, (p.job for p in extent.pieces if p.completes))
         self.load.report_pieces(extent)
         lock = extent.first.lock
         if lock is not None:
             # grown tensor by tensor, as llama.cpp's mlock grows after each tensor: with a
-            # low RLIMIT_MEMLOCK it locks as far as the limit allows, not up to the
-            # extent before it
+            # low RLIMIT_MEMLOCK it locks the whole tensors the limit allows, not up to
+            # the extent before it nor into a tensor that an extent cuts
             for piece in extent.pieces:
-                if piece.hi > piece.lo:
+                if piece.completes and piece.hi > piece.lo:
                     warning = lock.grow_to(piece.hi)
                     if warning:
                         self.load.stats.notices.append(warning)

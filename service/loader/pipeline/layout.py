@@ -21,6 +21,7 @@ first.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -122,6 +123,9 @@ class Resources:
         self.resident: set[int] = set()
         """Files whose tensor data was wholly in the page cache when the load began (known
         before the plan for the files :func:`map_ahead` maps)."""
+        self.cancel = threading.Event()
+        """Set when the load is to stop: the threads faulting its files in ahead end after
+        their step in progress."""
 
     def release(self) -> None:
         """Unlock, free and unmap everything. Idempotent."""
@@ -194,7 +198,7 @@ def map_ahead(index: WeightIndex, res: Resources) -> None:
         if gguf_file.identity not in ((0, 0, 0, 0), mapping.identity):
             continue  # build meets the change and reports it
         res.resident.add(file_index)
-        mapping.populate_ahead([(lo, hi - lo)])
+        mapping.populate_ahead([(lo, hi - lo)], res.cancel)
 
 
 def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources) -> None:
@@ -278,12 +282,14 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
                 # the load faults in every page of its tensors (and the padding between
                 # them); with the header's pages faulted in too, locking pages as they
                 # fault in locks what llama.cpp's lock, grown from the file's start, does
-                mapping.populate(0, min(t.offset for t in tensors))
+                # (the header is in no range faulted in ahead: no wait for that thread)
+                mapping.populate(0, min(t.offset for t in tensors), ahead=False)
         if resident and not mapping.populating_ahead:
             # nothing to read from disk: the mapped tensors' pages are faulted in on a
             # thread of their own while the jobs are built and planned
             mapping.populate_ahead(
-                merge_ranges((t.offset, t.nbytes) for i, t in by_file[file_index] if not t.lazy and i not in dest_of)
+                merge_ranges((t.offset, t.nbytes) for i, t in by_file[file_index] if not t.lazy and i not in dest_of),
+                res.cancel,
             )
 
     for i, t in enumerate(p.tensors):

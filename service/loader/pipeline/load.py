@@ -234,8 +234,11 @@ async def _load(
         )
 
     try:
-        stats, invalid, hashes, (tensors, tied) = await run_loader(setup, res, options, on_progress)
+        stats, invalid, hashes, finished = await run_loader(setup, res, options, on_progress)
         if invalid:
+            # the error's traceback holds this frame: no view of what is released below
+            # may stay in it
+            del finished
             listed = "; ".join(f"tensor '{name}': {found.reason}" for name, found in invalid.items())
             raise InvalidDataError(
                 f"found {len(invalid)} tensor{'s' if len(invalid) > 1 else ''} with invalid data: {listed}",
@@ -245,6 +248,7 @@ async def _load(
     except BaseException:
         res.release()
         raise
+    tensors, tied = finished
     res.jobs.clear()
     (placement,) = placements
     report = MemoryReport(
