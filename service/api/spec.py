@@ -29,8 +29,8 @@ _JOB_ID = re.compile(r"lj_[0-9]*[0-9a-f]{8}")
 def check_name(name: str, *, what: str = "name") -> str:
     """``name`` if it can name a model: 1 to :data:`MAX_NAME` characters of ASCII
     letters, digits and ``. _ : @ + / -``, starting with a letter, digit or ``_``, with no
-    empty, ``.`` or ``..`` segment between slashes, not ending in ``/ready`` or
-    ``/hashes`` (those paths are the model's readiness and tensor hashes) and not shaped
+    empty, ``.`` or ``..`` segment between slashes, not ``ready`` nor ending in ``/ready``
+    or ``/hashes`` (those paths are the model's readiness and tensor hashes) and not shaped
     like a load job's id (``lj_...``).
 
     Raises:
@@ -52,7 +52,8 @@ def check_name(name: str, *, what: str = "name") -> str:
     parts = name.split("/")
     if any(p in ("", ".", "..") for p in parts) or parts[-1] == "ready" or (len(parts) > 1 and parts[-1] == "hashes"):
         raise RequestError(
-            f"model {what} {clip(name, 100)!r} has an empty, '.' or '..' part, or ends in '/ready' or '/hashes'",
+            f"model {what} {clip(name, 100)!r} has an empty, '.' or '..' part, is 'ready', "
+            "or ends in '/ready' or '/hashes'",
             hint="give the load a 'name'" if what == "default name" else None,
         )
     return name

@@ -38,6 +38,9 @@ def test_a_name_cannot_end_in_the_hashes_path() -> None:
     with pytest.raises(RequestError, match="/hashes"):
         check_name("org/model/hashes")
     assert check_name("hashes") == "hashes"
+    # the readiness path's last part is refused alone too, and the error says so
+    with pytest.raises(RequestError, match="is 'ready'"):
+        check_name("ready")
 
 
 @pytest.mark.parametrize("mode", ["mmap", "none"])
