@@ -315,39 +315,14 @@ print("\\n".join(model.warnings))
     assert "failed to mlock" in warning and "RLIMIT_MEMLOCK is 4096 bytes" in warning and "are needed" in warning
 
 
-def test_mmap_mlock_under_a_low_limit_locks_tensor_by_tensor(tmp_path: Path) -> None:
-    # llama.cpp's lock grows after each tensor: with a limit between the first tensor and
-    # the whole file, the tensors that fit stay locked and the load warns
-    rng = np.random.default_rng(3)
-    tensors = {f"blk.{i}.ffn_up.weight": (rng.standard_normal(64 * 1024).astype(np.float32), Q.F32) for i in range(3)}
-    path = write_model(tmp_path / "m.gguf", tensors)
-    code = """
-import asyncio, resource, sys
-resource.setrlimit(resource.RLIMIT_MEMLOCK, (640 << 10, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
-from service.loader.weights import open_model
-from service.loader.pipeline import load_model
-from tests.resources import smaps_kib
-model = asyncio.run(load_model(open_model(sys.argv[1]), load_mode="mmap+mlock"))
-print(smaps_kib(0, 1 << 64, "Locked"))
-print("\\n".join(model.warnings))
-"""
-    command = [sys.executable, "-c", code, str(path)]
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("running as root and setpriv is not available to drop CAP_IPC_LOCK")
-        command = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", *command]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2])
-    assert result.returncode == 0, result.stderr
-    locked_kib, *warning = result.stdout.splitlines()
-    # the header page and two 256 KiB tensors fit under 640 KiB; the third does not
-    assert 512 < int(locked_kib) <= 640
-    assert any("failed to mlock" in w for w in warning)
-
-
-def test_mmap_mlock_under_a_low_limit_never_locks_part_of_a_tensor(tmp_path: Path) -> None:
-    # chunks of 100000 bytes cut every 256 KiB tensor: the lock still grows only to the
-    # end of each whole tensor (llama.cpp grows it after each tensor), so under a 640 KiB
-    # limit it ends with the second tensor, not inside the third
+@pytest.mark.parametrize("chunk_nbytes", [None, 100000])
+def test_mmap_mlock_under_a_low_limit_locks_whole_tensors_as_far_as_it_allows(
+    tmp_path: Path, chunk_nbytes: int | None
+) -> None:
+    # llama.cpp's lock grows after each tensor: under a 640 KiB limit the header page and
+    # the first two 256 KiB tensors stay locked, the load warns, and nothing of the third
+    # is locked, whether the file is one chunk (faulted in ahead) or chunks of 100000
+    # bytes cut every tensor
     rng = np.random.default_rng(5)
     tensors = {f"blk.{i}.ffn_up.weight": (rng.standard_normal(64 * 1024).astype(np.float32), Q.F32) for i in range(3)}
     path = write_model(tmp_path / "m.gguf", tensors)
@@ -357,12 +332,12 @@ resource.setrlimit(resource.RLIMIT_MEMLOCK, (640 << 10, resource.getrlimit(resou
 from service.loader.weights import open_model
 from service.loader.pipeline import LoadOptions, load_model
 from tests.resources import smaps_kib
-options = LoadOptions(chunk_nbytes=100000)
+options = LoadOptions(chunk_nbytes=None if sys.argv[2] == "None" else int(sys.argv[2]))
 model = asyncio.run(load_model(open_model(sys.argv[1]), load_mode="mmap+mlock", options=options))
 print(smaps_kib(0, 1 << 64, "Locked"))
 print("\\n".join(model.warnings))
 """
-    command = [sys.executable, "-c", code, str(path)]
+    command = [sys.executable, "-c", code, str(path), str(chunk_nbytes)]
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
             pytest.skip("running as root and setpriv is not available to drop CAP_IPC_LOCK")
