@@ -59,12 +59,18 @@ def cached_pages(fd: int, offset: int, nbytes: int) -> int | None:
     return int(out.nr_cache)
 
 
-def cached_span(fd: int, lo: int, hi: int) -> tuple[int, int, int | None]:
-    """The pages covering ``[lo, hi)`` of the file open as ``fd``: the byte offset of the
-    first, how many there are, and how many of them are in the page cache
-    (:func:`cached_pages`; None where the kernel does not tell)."""
+def page_span(lo: int, hi: int) -> tuple[int, int]:
+    """The pages covering the byte range ``[lo, hi)``: the byte offset of the first, and
+    how many there are."""
     first = align_down(lo, PAGE_SIZE)
-    npages = (align_up(hi, PAGE_SIZE) - first) // PAGE_SIZE
+    return first, (align_up(hi, PAGE_SIZE) - first) // PAGE_SIZE
+
+
+def cached_span(fd: int, lo: int, hi: int) -> tuple[int, int, int | None]:
+    """The pages covering ``[lo, hi)`` of the file open as ``fd`` (:func:`page_span`),
+    and how many of them are in the page cache (:func:`cached_pages`; None where the
+    kernel does not tell)."""
+    first, npages = page_span(lo, hi)
     return first, npages, cached_pages(fd, first, npages * PAGE_SIZE)
 
 

@@ -119,8 +119,7 @@ class SourceFiles:
     def note_resident(self, file_index: int, lo: int, hi: int) -> None:
         """Note ``[lo, hi)`` of the file as wholly in the page cache, as a probe made just
         before found it (:meth:`take_residency` without probing again)."""
-        first = align_down(lo, PAGE_SIZE)
-        npages = (align_up(hi, PAGE_SIZE) - first) // PAGE_SIZE
+        first, npages = residency.page_span(lo, hi)
         self._before[file_index] = residency.ResidencyMap.all_or_none(first // PAGE_SIZE, npages, True)
 
     def wholly_resident(self, file_index: int) -> bool:

@@ -237,11 +237,11 @@ class Worker:
         alignments = self.files.alignments()
         # mapped bytes a thread of their own faults in: one extent per run, unless the
         # caller chose the chunk size
-        ahead = {
-            j.file_index
-            for j in self.jobs
-            if self.options.chunk_nbytes is None and j.branch == "mapped" and j.mapping and j.mapping.populating_ahead
-        }
+        ahead: set[int] = set()
+        if self.options.chunk_nbytes is None:
+            ahead = {
+                j.file_index for j in self.jobs if j.branch == "mapped" and j.mapping and j.mapping.populating_ahead
+            }
         limits = extent_limits(self.options, max(alignments.values(), default=1))
         extents = plan_extents(self.jobs, limits, alignments, ahead)
         in_flight: deque[tuple[Extent, Handler, Any, Future[None] | _Done, str | None]] = deque()
