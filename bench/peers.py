@@ -3,7 +3,7 @@
     .venv/bin/python bench/peers.py [PATH ...] [--models gemma3,smollm2,synthetic]
         [--modes none,mmap,mlock,mmap+mlock,direct-io] [--cache warm,cold] [--repeat N]
         [--llama-lib-dir DIR] [--llama-cpp-dir DIR] [--work-dir DIR] [--synthetic-gib G]
-        [--evict auto|drop-caches|fadvise] [--json FILE] [--markdown]
+        [--fast-samples N] [--evict auto|drop-caches|fadvise] [--json FILE] [--markdown]
     .venv/bin/python bench/peers.py --summarize FILE [--markdown]
 
 llama.cpp's side is ``bench/llama_load.c``, a small program of ours linked to ``libllama``:
@@ -33,6 +33,9 @@ Models: the bundled ``gemma3`` sample and ``smollm2`` (placed in the work direct
 
 Every measurement runs in a fresh process; per round, every configuration runs once,
 hoist and llama.cpp of one mode back to back (which goes first alternates by round).
+A configuration whose loads all ran under 100 ms on both sides in those rounds then gets
+more rounds, of it alone, up to ``--fast-samples`` in all (default 15): at that length a
+busy machine's noise is a large part of each load.
 Warm: the file is read once before the round and stays cached. Cold: before each
 measurement the file is evicted from the page cache (``drop-caches``: ``sync`` and
 ``3 > /proc/sys/vm/drop_caches``, which evicts every cached file, programs and libraries
@@ -83,6 +86,10 @@ LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 SOURCE_ENV = "HOIST_LLAMA_CPP_DIR"
 PROGRAM = BENCH / "llama_load.c"
 CHILD_TIMEOUT_S = 1800
+FAST_SECONDS = 0.1
+"""A configuration whose loads all took less than this in the ``--repeat`` rounds (both
+sides) gets more rounds, up to ``--fast-samples``: a machine's noise is a large share of
+a load this short, and a median of three does not settle it."""
 HEAD_DIM = 64
 """Head size of the synthetic model."""
 
@@ -733,43 +740,62 @@ def bench_model(
     repeat: int,
     evict_method: str,
     log: Any,
+    fast_samples: int = 0,
 ) -> list[dict[str, Any]]:
-    """Every configuration on ``path``, ``repeat`` rounds per cache state; the records."""
+    """Every configuration on ``path``, ``repeat`` rounds per cache state, then more rounds
+    of the fast ones (:data:`FAST_SECONDS`) up to ``fast_samples``; the records."""
     from service.loader.weights import open_model
 
     tensor_bytes = open_model(path).nbytes
     me = [sys.executable, str(Path(__file__).resolve()), "--child"]
     records: list[dict[str, Any]] = []
+
+    def pairs(rep: int, chosen: Sequence[str]) -> list[tuple[str, str, list[str]]]:
+        plan: list[tuple[str, str, list[str]]] = []
+        for mode in chosen:
+            pair = [
+                ("hoist", mode, [*me, "hoist", str(path), mode]),
+                ("llama", mode, [str(program), str(path), mode]),
+            ]
+            plan += pair if rep % 2 == 0 else pair[::-1]
+        return plan
+
+    def measure(cache: str, rep: int, plan: Sequence[tuple[str, str, list[str]]]) -> None:
+        if cache == "warm":
+            warm(path)
+        for side, mode, cmd in plan:
+            method = evict(path, evict_method) if cache == "cold" else None
+            resident = resident_fraction(path)
+            rec = {"model": label, "path": str(path), "cache": cache, "rep": rep, "side": side, "mode": mode}
+            rec |= {"evict": method, "resident_before": resident, "tensor_bytes": tensor_bytes}
+            try:
+                out = run_child(cmd)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                records.append(rec | {"error": str(exc)})
+                log(f"  {label} {cache} #{rep} {side:<5} {mode:<10} FAILED: {exc}")
+                continue
+            records.append(rec | out)
+            log(
+                f"  {label} {cache} #{rep} {side:<5} {mode:<10} load {out['load_s'] * 1000:8.1f} ms  "
+                f"tensors {out['tensors_s'] * 1000:8.1f} ms  resident before {resident:.2f}"
+            )
+
     for cache in caches:
         for rep in range(repeat):
-            plan: list[tuple[str, str, list[str]]] = [
+            reads = [
                 ("read", "buffered", [*me, "read", str(path), "buffered"]),
                 ("read", "direct", [*me, "read", str(path), "direct"]),
             ]
-            for mode in modes:
-                pair = [
-                    ("hoist", mode, [*me, "hoist", str(path), mode]),
-                    ("llama", mode, [str(program), str(path), mode]),
-                ]
-                plan += pair if rep % 2 == 0 else pair[::-1]
-            if cache == "warm":
-                warm(path)
-            for side, mode, cmd in plan:
-                method = evict(path, evict_method) if cache == "cold" else None
-                resident = resident_fraction(path)
-                rec = {"model": label, "path": str(path), "cache": cache, "rep": rep, "side": side, "mode": mode}
-                rec |= {"evict": method, "resident_before": resident, "tensor_bytes": tensor_bytes}
-                try:
-                    out = run_child(cmd)
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    records.append(rec | {"error": str(exc)})
-                    log(f"  {label} {cache} #{rep} {side:<5} {mode:<10} FAILED: {exc}")
-                    continue
-                records.append(rec | out)
-                log(
-                    f"  {label} {cache} #{rep} {side:<5} {mode:<10} load {out['load_s'] * 1000:8.1f} ms  "
-                    f"tensors {out['tensors_s'] * 1000:8.1f} ms  resident before {resident:.2f}"
-                )
+            measure(cache, rep, reads + pairs(rep, modes))
+        mine = [r for r in records if r["cache"] == cache and r["side"] in ("hoist", "llama")]
+        fast = [
+            mode
+            for mode in modes
+            if all("error" not in r and r["load_s"] < FAST_SECONDS for r in mine if r["mode"] == mode)
+            and any(r["mode"] == mode for r in mine)
+        ]
+        for rep in range(repeat, fast_samples if fast else 0):
+            measure(cache, rep, pairs(rep, fast))
     return records
 
 
@@ -780,8 +806,8 @@ def header_lines(info: dict[str, Any], origin: str, records: Sequence[dict[str, 
         f"machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB RAM, Linux {info['kernel']}, "
         f"filesystem {info['filesystem']}, transparent huge pages: {info['transparent_hugepage']}",
         f"hoist {info['hoist_commit']} (Python {info['python']}); llama.cpp: {origin}",
-        f"median (min-max) of {repeat} runs each, every run in a fresh process; ratios are hoist / other "
-        "(lower is better); h/read compares hoist's tensors phase with a plain read",
+        f"median (min-max) of {repeat} runs each{_more_runs(records, repeat)}, every run in a fresh process; "
+        "ratios are hoist / other (lower is better); h/read compares hoist's tensors phase with a plain read",
     ]
     failed = [r for r in records if "error" in r]
     if failed:
@@ -794,6 +820,21 @@ def header_lines(info: dict[str, Any], origin: str, records: Sequence[dict[str, 
             + ("" if worst < 0.01 else " (the eviction did not take entirely)")
         )
     return lines
+
+
+def _more_runs(records: Sequence[dict[str, Any]], repeat: int) -> str:
+    """Where fast configurations got more rounds: how many, and which."""
+    counts: dict[tuple[str, str, str], int] = {}
+    for r in records:
+        if r["side"] == "hoist":
+            key = (r["model"], r["cache"], r["mode"])
+            counts[key] = counts.get(key, 0) + 1
+    more = {key: n for key, n in counts.items() if n > repeat}
+    if not more:
+        return ""
+    listed = ", ".join(f"{model} {cache} {mode}" for model, cache, mode in more)
+    n = max(more.values())
+    return f" ({n} for the configurations whose first {repeat} ran under {FAST_SECONDS * 1000:.0f} ms: {listed})"
 
 
 def report(info: dict[str, Any], origin: str, records: Sequence[dict[str, Any]], repeat: int, markdown: bool) -> str:
@@ -818,6 +859,13 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--cache", default="warm,cold", help="warm, cold or both (default)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds per cache state (default 3)")
+    parser.add_argument(
+        "--fast-samples",
+        type=int,
+        default=15,
+        help=f"rounds in all of a configuration whose first --repeat loads took under "
+        f"{FAST_SECONDS * 1000:.0f} ms on both sides (default 15; 0: no more rounds)",
+    )
     parser.add_argument("--llama-lib-dir", type=Path, help="an existing llama.cpp build's libllama.so directory")
     parser.add_argument(
         "--llama-cpp-dir",
@@ -852,6 +900,8 @@ def main() -> int:
             parser.error(f"unknown {what}: {', '.join(sorted(unknown))} (known: {', '.join(known)})")
     if not 1 <= args.repeat <= 100:
         parser.error("--repeat must be from 1 to 100")
+    if not 0 <= args.fast_samples <= 1000:
+        parser.error("--fast-samples must be from 0 to 1000")
 
     def log(line: str) -> None:
         sys.stderr.write(line + "\n")
@@ -874,6 +924,7 @@ def main() -> int:
             repeat=args.repeat,
             evict_method=args.evict,
             log=log,
+            fast_samples=args.fast_samples,
         )
     sys.stdout.write(report(info, llama.origin, records, args.repeat, args.markdown))
     if args.json:

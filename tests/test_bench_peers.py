@@ -240,3 +240,41 @@ def test_a_saved_run_is_summarized_again_as_markdown(tmp_path: Path) -> None:
     assert any("1 runs failed" in line for line in out)
     table = [line for line in out if line.startswith("| m |")]
     assert table == peers.markdown_table(peers.summarize(runs))[2:]
+
+
+def test_only_configurations_fast_on_both_sides_get_more_rounds_alternating_who_goes_first(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # mmap loads take 5 ms on both sides, none takes 5 ms for hoist but 200 ms for llama.cpp
+    seconds = {("hoist", "mmap"): 0.005, ("llama", "mmap"): 0.005, ("hoist", "none"): 0.005, ("llama", "none"): 0.2}
+    calls: list[tuple[str, str]] = []
+
+    def fake_child(cmd: list[str]) -> dict[str, Any]:
+        side = "llama" if cmd[0] == "llama_load" else cmd[3]
+        calls.append((side, cmd[-1]))
+        s = seconds.get((side, cmd[-1]), 0.5)
+        return {"load_s": s, "tensors_s": s, "tensor_bytes": 1}
+
+    monkeypatch.setattr(peers, "run_child", fake_child)
+    records = peers.bench_model(
+        small_model, "m", Path("llama_load"), modes=["none", "mmap"], caches=["warm"], repeat=3,
+        evict_method="fadvise", log=lambda line: None, fast_samples=7,
+    )  # fmt: skip
+    per_config = {
+        (side, mode): sum(1 for r in records if (r["side"], r["mode"]) == (side, mode)) for side, mode in seconds
+    }
+    assert per_config == {("hoist", "mmap"): 7, ("llama", "mmap"): 7, ("hoist", "none"): 3, ("llama", "none"): 3}
+    # rounds 3 to 6 go on alternating: llama.cpp first in odd rounds
+    assert calls[-8:] == [("llama", "mmap"), ("hoist", "mmap"), ("hoist", "mmap"), ("llama", "mmap")] * 2
+    assert sorted(r["rep"] for r in records if (r["side"], r["mode"]) == ("hoist", "mmap")) == list(range(7))
+    header = peers.header_lines({"date": "d", "cpu": "c", "cores": 2, "ram_gib": 1, "kernel": "k",
+                                 "filesystem": "f", "transparent_hugepage": "t", "hoist_commit": "h",
+                                 "python": "3"}, "o", records, 3)  # fmt: skip
+    assert "(7 for the configurations whose first 3 ran under 100 ms: m warm mmap)" in header[3]
+    # 0 turns the extra rounds off
+    calls.clear()
+    peers.bench_model(
+        small_model, "m", Path("llama_load"), modes=["mmap"], caches=["warm"], repeat=2,
+        evict_method="fadvise", log=lambda line: None, fast_samples=0,
+    )  # fmt: skip
+    assert len(calls) == 2 * (2 + 2)
