@@ -66,6 +66,21 @@ class MemoryLock:
         self._prelocked = target
         return True
 
+    def covers(self, target: int) -> bool:
+        """:meth:`prelock` already took ``[addr, addr + target)``."""
+        return target <= self._prelocked
+
+    def drop_prelock(self) -> None:
+        """Undo :meth:`prelock` while nothing is counted as locked yet: the pages faulted
+        in meanwhile are unlocked."""
+        if self._prelocked and not self.locked:
+            end = align_up(self.addr + self._prelocked, PAGE_SIZE)
+            try:
+                libc.munlock(self._page_start, end - self._page_start)
+            except OSError:
+                pass  # already unmapped: the lock went with the pages
+            self._prelocked = 0
+
     def grow_to(self, target: int) -> str | None:
         """Lock up to ``addr + target``. Returns a warning (and stops trying) when the
         kernel refuses, naming the bytes locked so far and the limit needed; the caller

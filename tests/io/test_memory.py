@@ -205,3 +205,32 @@ def test_a_lock_on_fault_leaves_pages_out_until_written_and_a_plain_lock_brings_
         del array
     finally:
         region.close()
+
+
+def test_a_prelock_covers_its_range_and_dropping_it_unlocks_the_pages_faulted_in_meanwhile() -> None:
+    import mmap
+
+    from service.io.mlock import MemoryLock
+    from tests.resources import smaps_kib
+
+    region = mmap.mmap(-1, FRESH, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        array = np.frombuffer(region, dtype=np.uint8)
+        addr = array.ctypes.data
+        lock = MemoryLock(addr, "a test buffer")
+        if not lock.prelock(FRESH - 100):
+            pytest.skip(f"the lock limit refuses {FRESH} bytes here")
+        assert lock.covers(FRESH - 100) and lock.covers(1) and not lock.covers(FRESH + 1)
+        array[: FRESH // 2] = 7  # faulted in, so locked
+        assert smaps_kib(addr, addr + FRESH, "Locked") * 1024 == FRESH // 2
+        lock.drop_prelock()
+        assert smaps_kib(addr, addr + FRESH, "Locked") == 0 and not lock.covers(1)
+        array[FRESH // 2 :] = 7  # no longer locked on fault
+        assert smaps_kib(addr, addr + FRESH, "Locked") == 0
+        assert lock.grow_to(PAGE_SIZE) is None  # locks step by step again
+        assert smaps_kib(addr, addr + FRESH, "Locked") * 1024 == PAGE_SIZE
+        lock.release()
+        assert smaps_kib(addr, addr + FRESH, "Locked") == 0
+        del array
+    finally:
+        region.close()

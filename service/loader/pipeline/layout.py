@@ -123,6 +123,9 @@ class Resources:
         self.resident: set[int] = set()
         """Files whose tensor data was wholly in the page cache when the load began (known
         before the plan for the files :func:`map_ahead` maps)."""
+        self.early_locks: dict[int, MemoryLock] = {}
+        """File index -> the lock on fault :func:`map_ahead` took over the file before
+        faulting it in (``mmap+mlock``); :func:`build` keeps it or drops it."""
         self.cancel = threading.Event()
         """Set when the load is to stop: the threads faulting its files in ahead end after
         their step in progress."""
@@ -135,6 +138,7 @@ class Resources:
         for lock in self.locks:
             lock.release()
         self.locks.clear()
+        self.early_locks.clear()
         for buf in self.buffers:
             buf.free()
         self.buffers.clear()
@@ -168,13 +172,18 @@ def _read_ahead(index: WeightIndex, p: Plan) -> None:
         available -= will_read(index.files[file_index].path, ranges, available)
 
 
-def map_ahead(index: WeightIndex, res: Resources) -> None:
+def map_ahead(index: WeightIndex, res: Resources, *, lock: bool = False) -> None:
     """Before planning a load that maps its files and reads none of them lazily: map
     each file whose data section is wholly in the page cache and start faulting it in,
     so that the faulting overlaps the planning (llama.cpp maps with ``MAP_POPULATE``
     before it creates the tensors). :func:`build` uses these mappings. A file that
     cannot be probed, opened or mapped, or that changed since it was parsed, is left
     to :func:`build`, which reports it.
+
+    ``lock`` (``mmap+mlock``): each such file is first locked on fault to its end, where
+    the lock limit allows, so that its pages are locked as they are faulted in. Locking
+    pages already faulted in would walk them all (about 1.7 ms for 2 GiB) and wait for
+    a populate in progress, which holds the address space's lock.
     """
     for file_index, gguf_file in enumerate(index.files):
         lo, hi = gguf_file.data_offset, gguf_file.file_size
@@ -198,6 +207,11 @@ def map_ahead(index: WeightIndex, res: Resources) -> None:
         if gguf_file.identity not in ((0, 0, 0, 0), mapping.identity):
             continue  # build meets the change and reports it
         res.resident.add(file_index)
+        if lock:
+            early = MemoryLock(mapping.addr, gguf_file.path, HOST_MEMORY)
+            if early.prelock(hi):
+                res.locks.append(early)
+                res.early_locks[file_index] = early
         mapping.populate_ahead([(lo, hi - lo)], res.cancel)
 
 
@@ -259,6 +273,10 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
         if p.use_mmap or t.lazy:
             by_file.setdefault(t.file_index, []).append((i, t))
     file_locks: dict[int, MemoryLock] = {}
+    for file_index in [i for i in res.early_locks if i not in by_file]:
+        # no tensor of the plan lies in the file: it is unmapped when the load ends, and
+        # its lock is let go now, while the range is certainly still this mapping's
+        res.early_locks.pop(file_index).drop_prelock()
     for file_index in sorted(by_file):
         gguf_file = index.files[file_index]
         mapping = res.mappings.get(file_index) or Mapping(gguf_file.path)
@@ -273,16 +291,21 @@ def build(index: WeightIndex, p: Plan, devices: Sequence[Device], res: Resources
             ((t.offset, t.nbytes) for _, t in by_file[file_index] if t.lazy),
         )
         if lock_mapped:
-            lock = file_locks[file_index] = MemoryLock(mapping.addr, gguf_file.path, HOST_MEMORY)
-            res.locks.append(lock)
+            early = res.early_locks.pop(file_index, None)
+            lock = file_locks[file_index] = early or MemoryLock(mapping.addr, gguf_file.path, HOST_MEMORY)
+            if early is None:
+                res.locks.append(lock)
             tensors = [t for _, t in by_file[file_index]]
-            if not any(t.lazy or i in dest_of for i, t in by_file[file_index]) and lock.prelock(
-                max(t.offset + t.nbytes for t in tensors)
-            ):
+            target = max(t.offset + t.nbytes for t in tensors)
+            whole = not any(t.lazy or i in dest_of for i, t in by_file[file_index])
+            if lock.covers(target) or (whole and lock.prelock(target)):
                 # the load faults in every page of its tensors (and the padding between
                 # them); with the header's pages faulted in too, locking pages as they
                 # fault in locks what llama.cpp's lock, grown from the file's start, does
-                # (the header is in no range faulted in ahead: no wait for that thread)
+                # (the header is in no range faulted in ahead: no wait for that thread).
+                # A lock map_ahead took to the file's end also holds the pages of tensors
+                # copied elsewhere that lie past the last mapped one, until the load
+                # unmaps them as unused.
                 mapping.populate(0, min(t.offset for t in tensors), ahead=False)
         if resident and not mapping.populating_ahead:
             # nothing to read from disk: the mapped tensors' pages are faulted in on a

@@ -175,7 +175,9 @@ async def load_model(
     early = resolve_mmap(params.load_mode, chosen) and (
         params.lazy_mode is LazyMode.OFF or not any(name in index.weights for name in LAZY_ELIGIBLE)
     )
-    return await _load(index, planned, chosen, opts, on_progress, map_early=early)
+    return await _load(
+        index, planned, chosen, opts, on_progress, map_early=early, lock_early=params.load_mode is LoadMode.MMAP_MLOCK
+    )
 
 
 def _plan_now(index: WeightIndex, devices: Sequence[Device], params: PlacementParams) -> Plan:
@@ -210,17 +212,19 @@ async def _load(
     on_progress: ProgressCallback | None,
     *,
     map_early: bool = False,
+    lock_early: bool = False,
 ) -> LoadedModel:
     """Plan (``planned``, on the loader thread) and load; the body of :func:`load_model`
     and :func:`load_plan`. ``map_early``: the load maps its files whole, so the files
     wholly in the page cache are mapped and faulted in while it plans
-    (:func:`~service.loader.pipeline.layout.map_ahead`)."""
+    (:func:`~service.loader.pipeline.layout.map_ahead`); ``lock_early`` (``mmap+mlock``):
+    they are locked on fault before that."""
     res = Resources()
     placements: list[Plan] = []
 
     def setup() -> LoaderSetup[Finished]:
         if map_early:
-            map_ahead(index, res)
+            map_ahead(index, res, lock=lock_early)
         placement = planned()
         placements.append(placement)
         return LoaderSetup(
