@@ -74,11 +74,7 @@ class MemoryLock:
         """Undo :meth:`prelock` while nothing is counted as locked yet: the pages faulted
         in meanwhile are unlocked."""
         if self._prelocked and not self.locked:
-            end = align_up(self.addr + self._prelocked, PAGE_SIZE)
-            try:
-                libc.munlock(self._page_start, end - self._page_start)
-            except OSError:
-                pass  # already unmapped: the lock went with the pages
+            self._unlock(self._prelocked)
             self._prelocked = 0
 
     def grow_to(self, target: int) -> str | None:
@@ -87,7 +83,7 @@ class MemoryLock:
         reports it (the load's warnings), so it is not logged here."""
         if self.failed is not None or target <= self.locked:
             return None
-        if target <= self._prelocked:
+        if self.covers(target):
             if self.meter is not None:
                 self.meter.add(target - self.locked)
             self.locked = target
@@ -123,14 +119,18 @@ class MemoryLock:
                 self.on_fault = False
         libc.mlock(start, length)
 
+    def _unlock(self, upto: int) -> None:
+        """Unlock the pages from the region's start to ``addr + upto``."""
+        end = align_up(self.addr + upto, PAGE_SIZE)
+        try:
+            libc.munlock(self._page_start, end - self._page_start)
+        except OSError:
+            pass  # already unmapped: the lock went with the pages
+
     def release(self) -> None:
         """Unlock what was locked. Idempotent."""
         if self.locked or self._prelocked:
-            end = align_up(self.addr + max(self.locked, self._prelocked), PAGE_SIZE)
-            try:
-                libc.munlock(self._page_start, end - self._page_start)
-            except OSError:
-                pass  # already unmapped: the lock went with the pages
+            self._unlock(max(self.locked, self._prelocked))
             if self.meter is not None:
                 self.meter.add(-self.locked)
         self.locked = self._prelocked = 0
