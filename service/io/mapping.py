@@ -137,9 +137,13 @@ class Mapping:
         StorageError: the file cannot be opened or mapped.
     """
 
-    def __init__(self, path: str, *, sequential: bool = True) -> None:
+    def __init__(self, path: str, *, sequential: bool = True, fd: int | None = None) -> None:
+        """Map ``path``; ``fd``: the file already open as this descriptor (it stays open,
+        the caller's to close), instead of opening ``path`` again."""
         self.path = path
-        fd = open_readonly(path)
+        own = fd is None
+        if fd is None:
+            fd = open_readonly(path)
         try:
             st = os.fstat(fd)
             self.size = st.st_size
@@ -153,7 +157,8 @@ class Mapping:
             except OSError as exc:
                 raise StorageError(f"cannot map the file: {exc.strerror}", path=path) from exc
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
         self.fragments: list[tuple[int, int]] = [(0, self.size)]
         self._lock = threading.Lock()
         self._ahead: _Ahead | None = None

@@ -197,12 +197,11 @@ def map_ahead(index: WeightIndex, res: Resources, *, lock: bool = False) -> None
             _, npages, cached = residency.cached_span(fd, lo, hi)
             if cached != npages or not residency.trusted(fd):
                 continue
-        finally:
-            os.close(fd)
-        try:
-            mapping = Mapping(gguf_file.path)
+            mapping = Mapping(gguf_file.path, fd=fd)  # the file probed, not opened again
         except StorageError:
             continue
+        finally:
+            os.close(fd)
         res.mappings[file_index] = mapping
         if gguf_file.identity not in ((0, 0, 0, 0), mapping.identity):
             continue  # build meets the change and reports it
